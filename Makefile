@@ -1,0 +1,42 @@
+# lmforge: `make demo` runs the main job, `make test` runs every test. Both install first if needed.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+# One torch/OMP thread per process: on small CPU machines oversubscription costs 2-4x (shared/notes/performance.md).
+export OMP_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install demo test test-fast bench lint clean
+
+install: $(STAMP)
+
+# torch goes in first (the CPU build from local disk here) so resolving the project never pulls a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/lmforge model summary demo
+
+test: install
+	$(PY) -m pytest -q tests
+
+test-fast: install
+	$(PY) -m pytest -q tests -m "not slow"
+
+bench: install
+	@for script in benchmarks/*.py; do $(PY) $$script || exit 1; done
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf outputs .pytest_cache .ruff_cache

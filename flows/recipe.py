@@ -1,0 +1,161 @@
+"""A recipe: one YAML file plus `--set a.b=c` overrides, validated once into a frozen pydantic tree.
+
+Cross-slice rules live here (expert parallelism vs experts, batch arithmetic, sequence length vs context);
+each slice checks its own fields. Every failure becomes a `ConfigError` with one line per problem that names
+the field and the fix, raised before anything runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from data_pipeline.config import DataConfig
+from training.config import OptimConfig, ParallelConfig, TrainConfig
+from training.model import ModelConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """An invalid recipe; the message has one line per problem, each naming the field."""
+
+
+class Recipe(BaseModel):
+    """The whole configuration of a pipeline run."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    model: ModelConfig
+    optim: OptimConfig = OptimConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+
+    @model_validator(mode="after")
+    def _check_across_slices(self) -> Recipe:
+        moe, par, train = self.model.moe, self.parallel, self.train
+        if par.ep_size > 1 and moe is None:
+            raise ValueError(f"parallel.ep_size={par.ep_size} needs MoE layers; set model.moe or parallel.ep_size=1")
+        if moe is not None and moe.n_experts % par.ep_size:
+            raise ValueError(
+                f"parallel.ep_size={par.ep_size} must divide model.moe.n_experts={moe.n_experts} "
+                "(each rank holds n_experts/ep_size experts)"
+            )
+        per_step = train.micro_batch_size * par.world_size
+        if train.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size={train.global_batch_size} must be a multiple of "
+                f"train.micro_batch_size={train.micro_batch_size} x parallel.world_size={par.world_size} = {per_step}"
+            )
+        if train.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"train.seq_len={train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                "lower train.seq_len or raise model.max_seq_len"
+            )
+        if self.data.vocab_size > self.model.vocab_size:
+            raise ValueError(
+                f"data.vocab_size={self.data.vocab_size} exceeds model.vocab_size={self.model.vocab_size}; "
+                "the embedding must cover every token id"
+            )
+        return self
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of the resolved recipe (used in output names and run tags)."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def resolve_recipe_path(recipe: str | Path) -> Path:
+    """A path to a YAML file, or the name of one in `configs/` (`demo` -> `configs/demo.yaml`)."""
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    named = CONFIG_DIR / f"{recipe}.yaml"
+    if named.is_file():
+        return named
+    available = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"recipe {str(recipe)!r} is neither a file nor a name in {CONFIG_DIR} (available: {available})")
+
+
+def parse_override(override: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (["a", "b"], c) with c parsed as YAML (so 3, 1e-3, true, [1, 2] get their types)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {override!r} must look like section.field=value, e.g. train.max_steps=200")
+    return key.split("."), yaml.safe_load(raw) if raw else None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `data` with each `a.b=c` applied; intermediate sections are created as needed."""
+    result = json.loads(json.dumps(data))  # deep copy of plain YAML data
+    for override in overrides:
+        path, value = parse_override(override)
+        node = result
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {override!r}: {part!r} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return result
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line per pydantic error: `field.path: what is wrong (and how to fix it)`."""
+    lines = []
+    for item in error.errors():
+        loc = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = _unknown_key_message(error.title, item["loc"])
+        elif item["type"] == "missing":
+            message = "required field is missing"
+        elif "input" in item and item["type"] not in ("value_error", "assertion_error"):
+            message = f"{message} (got {item['input']!r})"
+        lines.append(f"{loc}: {message}" if loc else message)
+    return "\n".join(lines)
+
+
+def _unknown_key_message(model_name: str, loc: tuple[int | str, ...]) -> str:
+    """Name the unknown key and suggest the closest valid ones from the model that rejected it."""
+    model: type[BaseModel] | None = Recipe if model_name == "Recipe" else None
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if model else None
+        annotation = field.annotation if field else None
+        candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)]
+        model = next((a for a in candidates if issubclass(a, BaseModel)), None)
+    valid = sorted(model.model_fields) if model else []
+    if model is ModelConfig:
+        valid += ["depth", "aspect_ratio", "head_dim", "kv_ratio"]
+    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown key{hint} (valid keys: {', '.join(valid)})" if valid else f"unknown key{hint}"
+
+
+def validate_recipe(data: dict[str, Any]) -> Recipe:
+    """Validate plain data into a Recipe, turning pydantic's report into a one-line-per-problem ConfigError."""
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+
+
+def load_recipe(recipe: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe (path or name in configs/), apply `a.b=c` overrides and validate everything once."""
+    path = resolve_recipe_path(recipe)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML ({error})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a YAML mapping with sections name, model, optim, ...")
+    data.setdefault("name", path.stem)
+    return validate_recipe(apply_overrides(data, overrides or []))

@@ -1,0 +1,166 @@
+"""Recipes validate; every bad-config rule fails before anything runs, in one line that names the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.recipe import CONFIG_DIR, ConfigError, apply_overrides, load_recipe, parse_override
+from training.model import ModelConfig
+
+RECIPES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def test_recipes_exist() -> None:
+    assert {"smoke", "demo", "gpt2-small-like", "moe-small"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_validates(name: str) -> None:
+    recipe = load_recipe(name)
+    assert recipe.name == name
+    assert recipe.train.grad_accum_steps(recipe.parallel.world_size) >= 1
+
+
+def bad(overrides: list[str], recipe: str = "smoke") -> str:
+    with pytest.raises(ConfigError) as info:
+        load_recipe(recipe, overrides)
+    message = str(info.value)
+    assert "\n" not in message, f"expected a single line, got:\n{message}"
+    return message
+
+
+def test_d_model_not_divisible_by_n_heads() -> None:
+    message = bad(["model.n_heads=5"])
+    assert message.startswith("model:") and "n_heads=5 must divide d_model=64" in message
+    assert "head_dim would be 12.8" in message
+
+
+def test_n_heads_not_divisible_by_n_kv_heads() -> None:
+    message = bad(["model.n_kv_heads=3"])
+    assert "n_kv_heads=3 must divide n_heads=4" in message
+
+
+def test_odd_head_dim_with_rope() -> None:
+    message = bad(["model.d_model=36", "model.n_heads=4", "model.n_kv_heads=4"])
+    assert "head_dim=d_model/n_heads=9 must be even for RoPE" in message
+
+
+def test_top_k_larger_than_n_experts() -> None:
+    message = bad(["model.moe.n_experts=2", "model.moe.top_k=3", "model.moe.d_ff_expert=32"])
+    assert message.startswith("model.moe:") and "top_k=3 must be <= n_experts=2" in message
+
+
+def test_unknown_key_suggests_the_closest_field() -> None:
+    message = bad(["model.d_modle=64"])
+    assert message.startswith("model.d_modle: unknown key; did you mean 'd_model'?")
+
+
+def test_unknown_top_level_section() -> None:
+    assert bad(["trian.max_steps=3"]).startswith("trian: unknown key; did you mean 'train'?")
+
+
+def test_wrong_type() -> None:
+    message = bad(["model.d_model=wide"])
+    assert message.startswith("model.d_model:") and "'wide'" in message
+
+
+def test_negative_size() -> None:
+    message = bad(["model.n_layers=-2"])
+    assert message.startswith("model.n_layers:") and "greater than 0" in message
+
+
+def test_unknown_precision_lists_choices() -> None:
+    message = bad(["parallel.precision=fp8"])
+    assert message.startswith("parallel.precision:") and "'bf16'" in message
+
+
+def test_zero_stage_out_of_range() -> None:
+    assert bad(["parallel.zero_stage=4"]).startswith("parallel.zero_stage:")
+
+
+def test_ep_size_must_divide_experts() -> None:
+    message = bad(["parallel.ep_size=2", "parallel.world_size=2", "model.moe.n_experts=3"], "moe-small")
+    assert "parallel.ep_size=2 must divide model.moe.n_experts=3" in message
+
+
+def test_ep_size_must_divide_world_size() -> None:
+    assert "ep_size=2 must divide world_size=3" in bad(["parallel.world_size=3"], "moe-small")
+
+
+def test_ep_size_without_experts() -> None:
+    assert "needs MoE layers" in bad(["parallel.ep_size=2", "parallel.world_size=2"])
+
+
+def test_batch_arithmetic() -> None:
+    message = bad(["train.global_batch_size=10"])
+    assert "train.global_batch_size=10 must be a multiple of train.micro_batch_size=4" in message
+
+
+def test_seq_len_beyond_context() -> None:
+    assert "train.seq_len=256 exceeds model.max_seq_len=128" in bad(["train.seq_len=256"])
+
+
+def test_vocab_mismatch() -> None:
+    assert "data.vocab_size=1024 exceeds model.vocab_size=512" in bad(["data.vocab_size=1024"])
+
+
+def test_depth_clashes_with_explicit_width() -> None:
+    assert "depth=4 derives n_heads" in bad(["model.n_heads=8"], "demo")
+
+
+def test_several_problems_one_line_each() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_recipe("smoke", ["model.d_model=-1", "train.max_steps=0"])
+    lines = str(info.value).splitlines()
+    assert [line.split(":")[0] for line in lines] == ["model.d_model", "train.max_steps"]
+
+
+def test_missing_recipe_lists_available() -> None:
+    with pytest.raises(ConfigError, match="available: .*smoke"):
+        load_recipe("no-such-recipe")
+
+
+def test_not_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must be a YAML mapping"):
+        load_recipe(path)
+
+
+def test_overrides_parse_yaml_types() -> None:
+    assert parse_override("optim.lr=0.001") == (["optim", "lr"], 1e-3)
+    assert load_recipe("smoke", ["optim.lr=1e-3"]).optim.lr == 1e-3  # YAML 1.1 reads 1e-3 as text; pydantic converts
+    assert parse_override("model.tie_embeddings=true") == (["model", "tie_embeddings"], True)
+    data = apply_overrides({"model": {"d_model": 64}}, ["model.moe.top_k=1", "name=x"])
+    assert data == {"model": {"d_model": 64, "moe": {"top_k": 1}}, "name": "x"}
+    with pytest.raises(ConfigError, match="section.field=value"):
+        parse_override("train.max_steps")
+
+
+def test_override_changes_the_recipe_and_its_digest() -> None:
+    base, changed = load_recipe("smoke"), load_recipe("smoke", ["train.max_steps=7"])
+    assert changed.train.max_steps == 7
+    assert base.digest() != changed.digest() and base.digest() == load_recipe("smoke").digest()
+
+
+def test_configs_are_frozen() -> None:
+    recipe = load_recipe("smoke")
+    with pytest.raises(Exception, match="frozen"):
+        recipe.model.d_model = 8  # type: ignore[misc]
+
+
+def test_depth_dial_scales_width_with_depth() -> None:
+    small, large = ModelConfig.from_depth(2), ModelConfig.from_depth(8)
+    assert (small.d_model, small.n_layers, small.n_heads) == (128, 2, 2)
+    assert (large.d_model, large.n_layers, large.n_heads) == (512, 8, 8)
+    assert large.d_ff % 32 == 0 and large.d_ff >= 8 * large.d_model / 3
+    gqa = ModelConfig.from_depth(4, kv_ratio=2, vocab_size=1000)
+    assert gqa.n_kv_heads * 2 == gqa.n_heads and gqa.vocab_size == 1000
+
+
+def test_depth_dial_in_a_recipe_can_be_switched_off() -> None:
+    explicit = ["model.depth=null", "model.d_model=64", "model.n_layers=2", "model.n_heads=2"]
+    recipe = load_recipe("demo", [*explicit, "model.n_kv_heads=2", "model.d_ff=128"])
+    assert recipe.model.d_model == 64

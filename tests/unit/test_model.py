@@ -1,0 +1,151 @@
+"""The dense/MoE transformer: shapes, causality, init determinism, tied weights, KV-cache generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training.model import IGNORE_INDEX, ModelConfig, Transformer, apply_rope, rope_tables
+from training.moe import MoE, MoEConfig
+from training.sampling import filter_logits, generate
+
+DENSE = ModelConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
+MOE = DENSE.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=48)})
+MIXED = DENSE.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=1, d_ff_expert=48, first_k_dense=1)})
+CONFIGS = {"dense": DENSE, "moe": MOE, "mixed": MIXED}
+
+
+def tokens(batch: int, length: int, vocab: int = 101, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_shapes_and_loss(kind: str) -> None:
+    cfg = CONFIGS[kind]
+    model = Transformer(cfg)
+    x = tokens(3, 17)
+    out = model(x, targets=x)
+    assert out.logits.shape == (3, 17, cfg.vocab_size)
+    assert out.loss is not None and out.ce_loss is not None and torch.isfinite(out.loss)
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    assert len(out.router_stats) == n_moe
+    # a freshly initialised model predicts roughly uniformly
+    assert abs(out.ce_loss.item() - torch.log(torch.tensor(101.0)).item()) < 0.1
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_mixed_layers_are_dense_then_sparse() -> None:
+    model = Transformer(MIXED)
+    assert not isinstance(model.model.layers[0].mlp, MoE)
+    assert isinstance(model.model.layers[1].mlp, MoE)
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_causality(kind: str) -> None:
+    """Changing token t+1 leaves the logits at positions <= t unchanged."""
+    model = Transformer(CONFIGS[kind]).eval()
+    x = tokens(2, 16)
+    y = x.clone()
+    t = 9
+    y[:, t + 1] = (y[:, t + 1] + 1) % 101
+    a, b = model(x).logits, model(y).logits
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=0, atol=0)
+    assert (a[:, t + 1] - b[:, t + 1]).abs().max() > 1e-4
+
+
+def test_ignore_index_drops_positions_from_the_loss() -> None:
+    model = Transformer(DENSE)
+    x = tokens(2, 8)
+    targets = x.clone()
+    targets[:, :4] = IGNORE_INDEX
+    full = torch.nn.functional.cross_entropy(model(x).logits[:, 4:].flatten(0, 1), x[:, 4:].flatten())
+    torch.testing.assert_close(model(x, targets=targets).ce_loss, full)
+
+
+def test_init_is_deterministic_per_seed() -> None:
+    a, b, c = Transformer(MOE, seed=7), Transformer(MOE, seed=7), Transformer(MOE, seed=8)
+    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(p, q), name
+        if not name.endswith("norm.weight"):
+            assert not torch.equal(p, r), name
+
+
+def test_init_scales_residual_outputs() -> None:
+    model = Transformer(DENSE.model_copy(update={"d_model": 256, "d_ff": 512, "n_heads": 4, "n_kv_heads": 4}))
+    q_std = model.model.layers[0].self_attn.q_proj.weight.std().item()
+    o_std = model.model.layers[0].self_attn.o_proj.weight.std().item()
+    assert q_std == pytest.approx(0.02, rel=0.05)
+    assert o_std == pytest.approx(0.02 / 2.0, rel=0.05)  # 1/sqrt(2 * n_layers) with 2 layers
+
+
+def test_tied_embeddings_share_one_tensor() -> None:
+    model = Transformer(DENSE.model_copy(update={"tie_embeddings": True}))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    untied = sum(p.numel() for p in Transformer(DENSE).parameters())
+    assert untied - sum(p.numel() for p in model.parameters()) == 101 * 64
+
+
+def test_rope_is_a_rotation_that_depends_on_relative_position() -> None:
+    cos, sin = rope_tables(16, torch.arange(10), 10_000.0)
+    q, k = torch.randn(1, 1, 10, 16), torch.randn(1, 1, 10, 16)
+    q[:, :, :] = q[:, :, :1]
+    k[:, :, :] = k[:, :, :1]
+    rq, rk = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
+    scores = (rq[0, 0, 3:] * rk[0, 0, :-3]).sum(-1)  # all pairs at distance 3
+    torch.testing.assert_close(scores, scores[:1].expand_as(scores))
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_kv_cache_logits_equal_full_recompute(kind: str) -> None:
+    model = Transformer(CONFIGS[kind]).eval()
+    x = tokens(2, 20)
+    full = model(x).logits
+    cache = model.new_cache(batch=2)
+    pieces = [model(x[:, :7], cache=cache).logits]  # prefill
+    pieces.append(model(x[:, 7:12], cache=cache).logits)  # a chunk appended to the cache
+    pieces += [model(x[:, t : t + 1], cache=cache).logits for t in range(12, 20)]  # one token at a time
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_cached_generation_equals_uncached(kind: str) -> None:
+    model = Transformer(CONFIGS[kind], seed=3).eval()
+    prompt = tokens(2, 5)
+    greedy = generate(model, prompt, 20)
+    assert torch.equal(greedy, generate(model, prompt, 20, use_cache=False))
+    assert greedy.shape == (2, 25) and torch.equal(greedy[:, :5], prompt)
+    sample = {
+        use_cache: generate(
+            model, prompt, 20, temperature=1.0, top_k=50, top_p=0.9,
+            generator=torch.Generator().manual_seed(0), use_cache=use_cache,
+        )
+        for use_cache in (True, False)
+    }
+    assert torch.equal(sample[True], sample[False])
+    assert not torch.equal(sample[True], greedy)
+
+
+def test_generation_stops_at_eos_and_pads_finished_rows() -> None:
+    model = Transformer(DENSE, seed=3).eval()
+    prompt = tokens(2, 4)
+    free = generate(model, prompt, 10)
+    eos = int(free[0, 6])  # the third token row 0 generates
+    stopped = generate(model, prompt, 10, eos_id=eos)
+    assert stopped[0, 6] == eos and (stopped[0, 6:] == eos).all()
+
+
+def test_generation_refuses_to_run_past_the_context() -> None:
+    model = Transformer(DENSE)
+    with pytest.raises(ValueError, match="exceeds model.max_seq_len=64"):
+        generate(model, tokens(1, 60), 10)
+
+
+def test_filter_logits_top_k_and_top_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_logits(logits, top_p=0.7)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_logits(logits, top_p=0.85)).tolist() == [[False, False, False, True]]
+    shuffled = logits[:, [2, 0, 3, 1]]
+    assert torch.isinf(filter_logits(shuffled, top_p=0.7)).tolist() == [[True, False, True, False]]

@@ -1,0 +1,95 @@
+"""MoE semantics: one expert equals the dense feed-forward, losses match their analytic values, dropless dispatch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from training.model import FeedForward
+from training.moe import MoE, MoEConfig, TopKRouter
+
+
+def test_one_expert_top1_equals_dense_ffn(generator: torch.Generator) -> None:
+    d_model, d_ff = 32, 80
+    dense = FeedForward(d_model, d_ff)
+    moe = MoE(d_model, MoEConfig(n_experts=1, top_k=1, d_ff_expert=d_ff))
+    with torch.no_grad():
+        moe.gate.weight.normal_(generator=generator)
+        moe.experts.gate_up_proj[0] = torch.cat([dense.gate_proj.weight, dense.up_proj.weight])
+        moe.experts.down_proj[0] = dense.down_proj.weight
+    x = torch.randn(3, 7, d_model, generator=generator)
+    y, stats = moe(x)
+    torch.testing.assert_close(y, dense(x), rtol=0, atol=1e-6)
+    assert stats.tokens_per_expert.tolist() == [21]
+
+
+def test_aux_loss_is_one_under_uniform_routing(generator: torch.Generator) -> None:
+    for n_experts, top_k in [(4, 1), (4, 2), (8, 3)]:
+        moe = MoE(16, MoEConfig(n_experts=n_experts, top_k=top_k, d_ff_expert=8))
+        with torch.no_grad():
+            moe.gate.weight.zero_()  # every expert gets probability 1/E
+            moe.experts.gate_up_proj.normal_(generator=generator)
+            moe.experts.down_proj.normal_(generator=generator)
+        _, stats = moe(torch.randn(2, 5, 16, generator=generator))
+        torch.testing.assert_close(stats.aux_loss, torch.tensor(1.0))
+        torch.testing.assert_close(stats.z_loss, torch.tensor(math.log(n_experts) ** 2))
+
+
+def test_aux_loss_matches_hand_computation() -> None:
+    """Two experts, three tokens routed by a known router: E * sum_e f_e P_e computed by hand."""
+    router = TopKRouter(d_model=2, n_experts=2, top_k=1)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(2))
+    x = torch.tensor([[2.0, 0.0], [1.0, 0.0], [0.0, 3.0]])
+    moe = MoE(2, MoEConfig(n_experts=2, top_k=1, d_ff_expert=4))
+    moe.gate = router
+    _, stats = moe(x[None])
+    probs = torch.softmax(x, dim=-1)  # router logits are x itself
+    fraction = torch.tensor([2 / 3, 1 / 3])  # tokens 0, 1 -> expert 0; token 2 -> expert 1
+    expected = 2 * (fraction * probs.mean(0)).sum()
+    torch.testing.assert_close(stats.aux_loss, expected)
+    torch.testing.assert_close(stats.z_loss, torch.logsumexp(x, -1).pow(2).mean())
+    assert stats.tokens_per_expert.tolist() == [2, 1]
+
+
+def test_router_renormalises_top_k_weights(generator: torch.Generator) -> None:
+    router = TopKRouter(d_model=8, n_experts=6, top_k=3)
+    torch.nn.init.normal_(router.weight, generator=generator)
+    weights, ids, probs, _ = router(torch.randn(10, 8, generator=generator))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(10))
+    torch.testing.assert_close(weights, probs.gather(1, ids) / probs.gather(1, ids).sum(-1, keepdim=True))
+
+
+def test_dispatch_is_dropless_and_matches_a_per_token_loop(generator: torch.Generator) -> None:
+    moe = MoE(16, MoEConfig(n_experts=4, top_k=2, d_ff_expert=8))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(generator=generator)
+        moe.gate.weight.mul_(5)  # skewed routing: some experts take most tokens
+    x = torch.randn(1, 40, 16, generator=generator)
+    y, stats = moe(x)
+    assert int(stats.tokens_per_expert.sum()) == 40 * 2
+    weights, ids, _, _ = moe.gate(x[0])
+    gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+    expected = torch.zeros(40, 16)
+    for n in range(40):
+        for k in range(2):
+            g, u = (gate_up[ids[n, k]] @ x[0, n]).chunk(2)
+            expected[n] += weights[n, k] * (down[ids[n, k]] @ (torch.nn.functional.silu(g) * u))
+    torch.testing.assert_close(y[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_router_losses_carry_gradients(generator: torch.Generator) -> None:
+    moe = MoE(8, MoEConfig(n_experts=4, top_k=2, d_ff_expert=8))
+    torch.nn.init.normal_(moe.gate.weight, generator=generator)
+    _, stats = moe(torch.randn(2, 3, 8, generator=generator))
+    (stats.aux_loss + stats.z_loss).backward()
+    assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(("first_k_dense", "every", "expected"), [(0, 1, [0, 1, 2, 3]), (1, 2, [1, 3]), (2, 1, [2, 3])])
+def test_layer_placement(first_k_dense: int, every: int, expected: list[int]) -> None:
+    cfg = MoEConfig(n_experts=2, top_k=1, d_ff_expert=4, first_k_dense=first_k_dense, every_n_layers=every)
+    assert [i for i in range(4) if cfg.is_moe_layer(i)] == expected

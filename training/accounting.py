@@ -1,0 +1,219 @@
+"""Parameters, FLOPs and memory of a model from its config alone, before anything is allocated.
+
+Parameter counts are exact (tested against `transformers` on the meta device). FLOPs follow Kaplan et al. 2020
+(6 FLOPs per matmul parameter per trained token) plus the attention term of Chowdhery et al. 2022 (PaLM,
+App. B): 12·L·H·D·T per token, counting the full T×T score matrix (a causal-exact count would halve it).
+Matmul parameters include the LM head (its matmul runs even when tied to the embedding) and exclude the
+embedding lookup. MoE counts only the top-k experts a token visits (active parameters).
+
+Memory follows Rajbhandari et al. 2020 (ZeRO): mixed precision with Adam keeps 2 + 2 + 12 bytes per parameter
+(16-bit weights and gradients; fp32 master weights, momentum and variance); ZeRO-1 shards the optimizer states,
+ZeRO-2 also the gradients, ZeRO-3 also the weights, across the data-parallel ranks. Expert parameters are split
+over `ep_size` ranks first. Activations are an estimate: the tensors autograd saves per layer (listed in
+`activation_elements_per_token`), ignoring small statistics (RMS, softmax log-sum-exp) and allocator slack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from training.model import ModelConfig
+
+Precision = Literal["fp32", "bf16", "fp16"]
+BYTES_PER_ELEMENT: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts by component; `active` is what one token uses (top-k experts only)."""
+
+    embedding: int
+    attention: int
+    mlp: int  # dense feed-forward layers
+    experts: int  # all experts of all MoE layers
+    router: int
+    norms: int
+    lm_head: int  # 0 when tied to the embedding
+    total: int
+    active: int
+    active_experts: int  # experts a token visits, summed over MoE layers
+
+    @property
+    def matmul_active(self) -> int:
+        """Parameters in matrix multiplies per token: everything active but the embedding lookup and the norms."""
+        return self.active - self.embedding - self.norms + (self.embedding if self.lm_head == 0 else 0)
+
+
+def count_parameters(cfg: ModelConfig) -> ParamCounts:
+    """Exact parameter counts of `training.model.Transformer(cfg)`."""
+    C, D, F = cfg.d_model, cfg.head_dim, cfg.d_ff
+    embedding = cfg.vocab_size * C
+    attention = cfg.n_layers * (2 * C * cfg.n_heads * D + 2 * C * cfg.n_kv_heads * D)
+    norms = (2 * cfg.n_layers + 1) * C
+    lm_head = 0 if cfg.tie_embeddings else cfg.vocab_size * C
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    mlp = (cfg.n_layers - n_moe) * 3 * C * F
+    experts = router = active_experts = 0
+    if cfg.moe is not None:
+        per_expert = 3 * C * cfg.moe.d_ff_expert
+        experts = n_moe * cfg.moe.n_experts * per_expert
+        active_experts = n_moe * cfg.moe.top_k * per_expert
+        router = n_moe * cfg.moe.n_experts * C
+    total = embedding + attention + mlp + experts + router + norms + lm_head
+    return ParamCounts(
+        embedding=embedding,
+        attention=attention,
+        mlp=mlp,
+        experts=experts,
+        router=router,
+        norms=norms,
+        lm_head=lm_head,
+        total=total,
+        active=total - experts + active_experts,
+        active_experts=active_experts,
+    )
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """Training FLOPs per token: 6·N_matmul_active + 12·L·H·D·T; forward alone is a third of each term."""
+
+    matmul: int
+    attention: int
+
+    @property
+    def training(self) -> int:
+        return self.matmul + self.attention
+
+    @property
+    def forward(self) -> int:
+        return self.training // 3
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
+    params = count_parameters(cfg)
+    return FlopsPerToken(
+        matmul=6 * params.matmul_active,
+        attention=12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len,
+    )
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device for training one micro-batch."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def state_bytes_per_param(precision: Precision) -> tuple[int, int, int]:
+    """(weights, gradients, Adam optimizer state) bytes per parameter: 2+2+12 mixed precision, 4+4+8 fp32."""
+    return (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+
+
+def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bool) -> tuple[int, int]:
+    """(elements saved for backward per token in all layers, fp32 logit elements per token).
+
+    Dense layer: block input, normed input, q, k, v, attention output, residual, normed residual, gate, up,
+    silu(gate)·up = 4C + 2HD + 2GD + 3F. A MoE layer replaces 3F with K copies of (gathered input, gate, up,
+    product, expert output) plus the router probabilities. With activation checkpointing only block inputs are
+    kept, plus one block's working set while it is recomputed.
+    """
+    C, HD, GD = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = []
+    for i in range(cfg.n_layers):
+        ffn = 3 * cfg.d_ff
+        if cfg.moe is not None and cfg.is_moe_layer(i):
+            ffn = cfg.moe.top_k * (2 * C + 3 * cfg.moe.d_ff_expert) + cfg.moe.n_experts
+        per_layer.append(4 * C + 2 * HD + 2 * GD + ffn)
+    layers = cfg.n_layers * C + max(per_layer) if activation_checkpointing else sum(per_layer)
+    head = 2 * C + cfg.vocab_size  # final norm input/output and 16-bit logits
+    return layers + head, cfg.vocab_size
+
+
+def training_memory(
+    cfg: ModelConfig,
+    *,
+    precision: Precision,
+    zero_stage: int,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    activation_checkpointing: bool = False,
+    ep_size: int = 1,
+) -> MemoryEstimate:
+    """Per-device bytes for weights, gradients, optimizer state (ZeRO-sharded) and one micro-batch's activations."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
+    params = count_parameters(cfg)
+    w, g, o = state_bytes_per_param(precision)
+    dense_params = params.total - params.experts
+    expert_params = params.experts / ep_size  # each rank holds n_experts / ep_size experts
+    dense_dp, expert_dp = world_size, max(1, world_size // ep_size)
+
+    def per_device(bytes_per_param: int, sharded: bool) -> int:
+        if not sharded:
+            return int(bytes_per_param * (dense_params + expert_params))
+        return int(bytes_per_param * (dense_params / dense_dp + expert_params / expert_dp))
+
+    elements, fp32_logits = activation_elements_per_token(cfg, activation_checkpointing)
+    tokens = micro_batch * seq_len
+    return MemoryEstimate(
+        weights=per_device(w, zero_stage >= 3),
+        gradients=per_device(g, zero_stage >= 2),
+        optimizer=per_device(o, zero_stage >= 1),
+        activations=tokens * (elements * BYTES_PER_ELEMENT[precision] + fp32_logits * 4),
+    )
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, seq_len: int, precision: Precision = "bf16") -> int:
+    """Inference KV cache: keys and values of every layer, kv heads only (GQA shrinks it by n_heads/n_kv_heads)."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * seq_len * batch * BYTES_PER_ELEMENT[precision]
+
+
+def summarize(
+    cfg: ModelConfig,
+    *,
+    precision: Precision,
+    zero_stage: int,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    activation_checkpointing: bool = False,
+    ep_size: int = 1,
+) -> dict[str, dict[str, int | float | str]]:
+    """Everything above as one JSON-ready dict (what `lmforge model summary --json` prints)."""
+    params = count_parameters(cfg)
+    flops = flops_per_token(cfg, seq_len)
+    memory = training_memory(
+        cfg,
+        precision=precision,
+        zero_stage=zero_stage,
+        world_size=world_size,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing,
+        ep_size=ep_size,
+    )
+    return {
+        "parameters": {**asdict(params), "matmul_active": params.matmul_active},
+        "flops_per_token": {"matmul_6n": flops.matmul, "attention": flops.attention, "training": flops.training},
+        "memory_per_device_bytes": {**asdict(memory), "total": memory.total},
+        "kv_cache_bytes": {"batch_1_max_seq_len": kv_cache_bytes(cfg, 1, cfg.max_seq_len, precision)},
+        "setting": {
+            "precision": precision,
+            "zero_stage": zero_stage,
+            "world_size": world_size,
+            "ep_size": ep_size,
+            "micro_batch": micro_batch,
+            "seq_len": seq_len,
+            "activation_checkpointing": str(activation_checkpointing).lower(),
+        },
+    }

@@ -1,0 +1,85 @@
+"""Configuration slices for training: optimiser and schedule, parallelism, and the run itself.
+
+Each slice is a frozen pydantic model with unknown keys forbidden; the recipe (`flows/recipe.py`) composes them
+and checks the rules that span slices. Components receive only their own slice.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
+
+
+class OptimConfig(BaseModel):
+    """Optimiser and learning-rate schedule (AdamW, or Muon on 2-D hidden matrices with AdamW for the rest)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: PositiveFloat = 3e-3
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    weight_decay: NonNegativeFloat = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: PositiveFloat = 1e-8
+    grad_clip: NonNegativeFloat = 1.0  # 0 disables clipping
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: NonNegativeInt = 10
+    decay_fraction: float = Field(default=0.2, gt=0.0, le=1.0)  # WSD: share of steps spent decaying
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> OptimConfig:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas={self.betas} must both lie in [0, 1)")
+        return self
+
+
+class ParallelConfig(BaseModel):
+    """How a run is spread over workers: data parallel width, ZeRO stage, precision, expert parallelism."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    world_size: PositiveInt = 1
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    ep_size: PositiveInt = 1
+    activation_checkpointing: bool = False
+    threads_per_worker: PositiveInt | None = None  # None: cores // workers, at least 1
+
+    @model_validator(mode="after")
+    def _check_ep(self) -> ParallelConfig:
+        if self.world_size % self.ep_size:
+            raise ValueError(
+                f"ep_size={self.ep_size} must divide world_size={self.world_size}; "
+                f"pick ep_size among the divisors of {self.world_size}"
+            )
+        return self
+
+
+class TrainConfig(BaseModel):
+    """The run: batch arithmetic, horizon, evaluation and checkpoint cadence, seed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq_len: PositiveInt = 256
+    micro_batch_size: PositiveInt = 8
+    global_batch_size: PositiveInt = 8  # sequences per optimiser step, over all ranks and accumulation steps
+    max_steps: PositiveInt = 100
+    eval_every: PositiveInt = 50
+    eval_batches: PositiveInt = 8
+    checkpoint_every: PositiveInt = 50
+    keep_checkpoints: PositiveInt = 2
+    seed: NonNegativeInt = 0
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro-batches each rank accumulates per step; the recipe checks this divides evenly."""
+        return self.global_batch_size // (self.micro_batch_size * world_size)

@@ -1,0 +1,130 @@
+"""Mapping between our model and Hugging Face Llama (dense) / Mixtral (MoE): configs and state dicts.
+
+Our module tree uses Hugging Face names and the `rotate_half` RoPE layout, so the state-dict mapping is the
+identity: `model.embed_tokens.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`,
+`model.layers.{i}.mlp.{gate,up,down}_proj.weight` (dense) or `model.layers.{i}.mlp.gate.weight`,
+`mlp.experts.gate_up_proj` (E, 2I, H; gate rows first) and `mlp.experts.down_proj` (E, H, I) (MoE, transformers
+v5 layout), `input_layernorm`, `post_attention_layernorm`, `model.norm.weight`, `lm_head.weight`.
+A model that mixes dense and MoE layers has no Mixtral equivalent and is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from training.model import ModelConfig
+from training.moe import MoEConfig
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_HF_TYPES = ("llama", "mixtral")
+
+
+def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict[str, Any]]:
+    """(model_type, keyword arguments for LlamaConfig or MixtralConfig) equivalent to `cfg`."""
+    common: dict[str, Any] = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "hidden_act": "silu",
+    }
+    if cfg.moe is None:
+        return "llama", {**common, "intermediate_size": cfg.d_ff, "attention_bias": False, "mlp_bias": False}
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
+        raise ValueError(
+            "Mixtral has an MoE feed-forward in every layer; this model mixes dense and MoE layers "
+            f"(moe.first_k_dense={cfg.moe.first_k_dense}, moe.every_n_layers={cfg.moe.every_n_layers}), so it has "
+            "no Hugging Face Mixtral equivalent"
+        )
+    return "mixtral", {
+        **common,
+        "intermediate_size": cfg.moe.d_ff_expert,
+        "num_local_experts": cfg.moe.n_experts,
+        "num_experts_per_tok": cfg.moe.top_k,
+        "router_aux_loss_coef": cfg.moe.aux_loss_coef,
+        "router_jitter_noise": 0.0,
+    }
+
+
+def build_hf_model(cfg: ModelConfig) -> nn.Module:
+    """An uninitialised `LlamaForCausalLM` / `MixtralForCausalLM` with `cfg`'s architecture (fp32, eager attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    model_type, kwargs = hf_config_kwargs(cfg)
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if model_type == "llama" else (MixtralConfig, MixtralForCausalLM)
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+    return model_cls(config)
+
+
+def to_hf_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Our state dict in Hugging Face keys: the identity (see the module docstring), kept as the one place to change."""
+    return dict(state_dict)
+
+
+def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
+    """A `config.json` of a Llama or Mixtral model as our ModelConfig (for sizing with `lmforge model summary`)."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_HF_TYPES:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported; lmforge reads {', '.join(SUPPORTED_HF_TYPES)} config.json files"
+        )
+    n_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    if head_dim * n_heads != config["hidden_size"]:
+        raise ValueError(
+            f"head_dim={head_dim} x num_attention_heads={n_heads} != hidden_size={config['hidden_size']}; "
+            "lmforge derives head_dim as hidden_size / num_attention_heads"
+        )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", "default") != "default":
+        log.warning("rope_type=%s is not modelled; it changes no parameter, FLOP or memory count", rope["rope_type"])
+    moe = None
+    if model_type == "mixtral":
+        moe = MoEConfig(
+            n_experts=config["num_local_experts"],
+            top_k=config["num_experts_per_tok"],
+            d_ff_expert=config["intermediate_size"],
+            aux_loss_coef=config.get("router_aux_loss_coef", 0.001),
+        )
+    return ModelConfig(
+        vocab_size=config["vocab_size"],
+        d_model=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        d_ff=config["intermediate_size"],
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10_000.0)),
+        norm_eps=config.get("rms_norm_eps", 1e-5),
+        tie_embeddings=config.get("tie_word_embeddings", False),
+        init_std=config.get("initializer_range", 0.02),
+        moe=moe,
+    )
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    """Read a Hugging Face `config.json` (or a directory holding one) into a ModelConfig."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file; pass a Hugging Face config.json or the directory holding it") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    return model_config_from_hf(data)

@@ -1,0 +1,315 @@
+"""Decoder-only pre-norm transformer (dense, MoE, or mixed) whose state dict is a Hugging Face Llama/Mixtral one.
+
+References: Vaswani et al. 2017 (transformer); Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoPE, here in
+the Hugging Face `rotate_half` layout, so q/k need no permutation on export); Ainslie et al. 2023 (grouped-query
+attention); Shazeer 2020 (SwiGLU); Touvron et al. 2023 (Llama block layout). MoE layers: see `training/moe.py`.
+
+Module names are Hugging Face's (`model.layers.{i}.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...):
+export is a key-for-key copy and PEFT adapters trained here load on the export unchanged.
+Model code has no device, precision or distributed logic: callers own autocast, DeepSpeed and placement.
+
+Shape letters: B batch, T query length, S key length, C d_model, H query heads, G kv heads, D head_dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, model_validator
+from torch import Tensor, nn
+
+from training.moe import MoE, MoEConfig, RouterStats
+
+IGNORE_INDEX = -100  # targets with this value carry no loss (padding, prompt tokens in SFT)
+
+
+class ModelConfig(BaseModel):
+    """Architecture hyper-parameters. `depth` in a recipe derives the widths (see `from_depth`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vocab_size: PositiveInt = 8192
+    d_model: PositiveInt = 256
+    n_layers: PositiveInt = 4
+    n_heads: PositiveInt = 4
+    n_kv_heads: PositiveInt = 4
+    d_ff: PositiveInt = 688
+    max_seq_len: PositiveInt = 512
+    rope_theta: PositiveFloat = 10_000.0
+    norm_eps: PositiveFloat = 1e-5
+    tie_embeddings: bool = False
+    init_std: PositiveFloat = 0.02
+    moe: MoEConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_depth(cls, data: Any) -> Any:
+        """`depth: 6` (plus optional aspect_ratio, head_dim, kv_ratio) stands for the widths it derives."""
+        if not isinstance(data, dict) or "depth" not in data:
+            return data
+        data = dict(data)
+        dial = {k: data.pop(k) for k in ("depth", "aspect_ratio", "head_dim", "kv_ratio") if k in data}
+        if dial["depth"] is None:  # `--set model.depth=null` switches the dial off for explicit widths
+            return data
+        derived = depth_dial(**dial)
+        clash = sorted(set(derived) & set(data))
+        if clash:
+            raise ValueError(
+                f"depth={dial['depth']} derives {', '.join(clash)}; remove them from the recipe, "
+                "or drop depth (--set model.depth=null) and give every width explicitly"
+            )
+        return {**derived, **data}
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must divide d_model={self.d_model} "
+                f"(head_dim would be {self.d_model / self.n_heads:.1f}); pick n_heads among {divisors(self.d_model)}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} for grouped-query attention; "
+                f"pick n_kv_heads among {divisors(self.n_heads)}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim=d_model/n_heads={self.head_dim} must be even for RoPE (it rotates pairs of channels); "
+                "change d_model or n_heads"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    @classmethod
+    def from_depth(cls, depth: int, **overrides: Any) -> ModelConfig:
+        """nanochat-style size dial: one integer sets width, heads and d_ff; the rest come from `overrides`."""
+        dial = {k: overrides.pop(k) for k in ("aspect_ratio", "head_dim", "kv_ratio") if k in overrides}
+        return cls(**{**depth_dial(depth, **dial), **overrides})
+
+
+def depth_dial(depth: int, aspect_ratio: int = 64, head_dim: int = 64, kv_ratio: int = 1) -> dict[str, int]:
+    """d_model = depth * aspect_ratio; heads of `head_dim`; kv heads = heads / kv_ratio; SwiGLU d_ff ≈ 8/3 d_model."""
+    if depth < 1 or aspect_ratio < 1 or head_dim < 2 or kv_ratio < 1:
+        raise ValueError(f"depth dial needs positive values, got depth={depth} aspect_ratio={aspect_ratio}")
+    d_model = depth * aspect_ratio
+    n_heads = max(1, d_model // head_dim)
+    n_kv_heads = max(1, n_heads // kv_ratio)
+    d_ff = 32 * math.ceil(8 * d_model / 3 / 32)  # Llama's 2/3 * 4d, rounded up to a multiple of 32
+    return {"d_model": d_model, "n_layers": depth, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "d_ff": d_ff}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back (as Hugging Face's LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(head_dim: int, positions: Tensor, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin (T, D) for absolute positions (T,), channel i paired with i + D/2 (`rotate_half` layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (B, H, T, D) by position: x*cos + rotate_half(x)*sin, in x's dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class LayerKVCache:
+    """Keys and values of one layer for incremental decoding, preallocated to `max_len` positions."""
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_len: int, like: Tensor) -> None:
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.v = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.length = 0
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append k, v (B, G, T, D); return all cached keys and values (B, G, S, D)."""
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; cannot extend to {end}")
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention through `scaled_dot_product_attention`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: LayerKVCache | None = None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, T, D)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, G, S, D)
+        S = k.shape[2]
+        mask = None
+        if 1 < T < S:  # a chunk appended to a cache: query t sees keys up to its absolute position
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=T == S and T > 1, enable_gqa=self.n_kv_heads != self.n_heads
+        )  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=False)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block; the feed-forward is dense or MoE."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp: FeedForward | MoE
+        if cfg.moe is not None and cfg.moe.is_moe_layer(layer):
+            self.mlp = MoE(cfg.d_model, cfg.moe)
+        else:
+            self.mlp = FeedForward(cfg.d_model, cfg.d_ff)
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: LayerKVCache | None = None
+    ) -> tuple[Tensor, RouterStats | None]:
+        h = x + self.self_attn(self.input_layernorm(x), rope, cache)
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp(self.post_attention_layernorm(h))
+            return h + y, stats
+        return h + self.mlp(self.post_attention_layernorm(h)), None
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks and final norm: Hugging Face's `model.` submodule."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+
+@dataclass
+class ModelOutput:
+    """Forward result. `loss` is the training objective: cross-entropy plus the weighted router losses."""
+
+    logits: Tensor  # (B, T, V)
+    loss: Tensor | None = None
+    ce_loss: Tensor | None = None
+    router_stats: list[RouterStats] = field(default_factory=list)  # one per MoE layer
+
+
+class Transformer(nn.Module):
+    """The language model: tokens (B, T) -> next-token logits (B, T, V)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int | None = 0) -> None:
+        """Builds and, unless `seed` is None (meta-device sizing), initialises the weights from `seed`."""
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if seed is not None:
+            self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """N(0, init_std) everywhere, residual outputs scaled by 1/sqrt(2·n_layers) (GPT-2), norms at one.
+
+        Values are drawn on the CPU in fp32 from one generator in parameter order, so the same seed gives the
+        same weights on any device, dtype or number of workers.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            is_residual_out = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
+            std = residual_std if is_residual_out else self.cfg.init_std
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            param.copy_(values)
+
+    def forward(
+        self, tokens: Tensor, targets: Tensor | None = None, cache: list[LayerKVCache] | None = None
+    ) -> ModelOutput:
+        """tokens (B, T); targets (B, T) with IGNORE_INDEX where no loss; cache for incremental decoding."""
+        start = cache[0].length if cache else 0
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rope_theta)
+        x = self.model.embed_tokens(tokens)  # (B, T, C)
+        stats: list[RouterStats] = []
+        for i, layer in enumerate(self.model.layers):
+            x, layer_stats = layer(x, rope, cache[i] if cache else None)
+            if layer_stats is not None:
+                stats.append(layer_stats)
+        logits = self.lm_head(self.model.norm(x))  # (B, T, V)
+        if targets is None:
+            return ModelOutput(logits=logits, router_stats=stats)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return ModelOutput(logits=logits, loss=ce + self.router_loss(stats), ce_loss=ce, router_stats=stats)
+
+    def router_loss(self, stats: list[RouterStats]) -> Tensor | float:
+        """Load-balancing and z-losses averaged over MoE layers (so coefficients do not depend on depth)."""
+        if not stats or self.cfg.moe is None:
+            return 0.0
+        aux = torch.stack([s.aux_loss for s in stats]).mean()
+        z = torch.stack([s.z_loss for s in stats]).mean()
+        return self.cfg.moe.aux_loss_coef * aux + self.cfg.moe.z_loss_coef * z
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> list[LayerKVCache]:
+        """Empty per-layer KV caches on this model's device and dtype."""
+        like = self.lm_head.weight
+        length = max_len or self.cfg.max_seq_len
+        return [
+            LayerKVCache(batch, self.cfg.n_kv_heads, self.cfg.head_dim, length, like) for _ in self.model.layers
+        ]

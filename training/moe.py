@@ -1,0 +1,133 @@
+"""Mixture-of-Experts feed-forward in plain PyTorch: top-k softmax router, SwiGLU experts, dropless dispatch.
+
+References: Shazeer et al. 2017 (sparsely-gated MoE); Fedus et al. 2021 (Switch Transformer, load-balancing
+loss); Zoph et al. 2022 (ST-MoE, router z-loss); Jiang et al. 2024 (Mixtral: softmax, top-k, renormalise).
+
+Deviations, on purpose:
+- The load-balancing loss divides the per-expert token fraction by top_k, so it equals 1.0 under uniform
+  routing for any k (Hugging Face's Mixtral loss equals top_k there). Coefficients therefore do not depend on k.
+- Losses are returned to the caller, never stored on the module, so activation checkpointing keeps their graph.
+- Dispatch is dropless: every token reaches all of its top_k experts; there is no capacity factor.
+
+Parameter names follow Hugging Face transformers v5 Mixtral (`mlp.gate.weight`, `mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`) so a checkpoint maps onto `MixtralForCausalLM` key for key.
+
+Shape letters: N tokens (batch and time flattened), H d_model, E experts, K top_k, I d_ff_expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
+from torch import Tensor, nn
+
+
+class MoEConfig(BaseModel):
+    """Which layers are sparse and how they route."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    n_experts: PositiveInt = 8
+    top_k: PositiveInt = 2
+    d_ff_expert: PositiveInt
+    aux_loss_coef: NonNegativeFloat = 0.01
+    z_loss_coef: NonNegativeFloat = 0.001
+    first_k_dense: NonNegativeInt = 0
+    every_n_layers: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _check_top_k(self) -> MoEConfig:
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"top_k={self.top_k} must be <= n_experts={self.n_experts}: lower moe.top_k or raise moe.n_experts"
+            )
+        return self
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layers [0, first_k_dense) are dense; after that every `every_n_layers`-th layer is sparse."""
+        return layer >= self.first_k_dense and (layer - self.first_k_dense) % self.every_n_layers == 0
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    """What one MoE layer reports per forward pass: two differentiable losses and the expert load."""
+
+    aux_loss: Tensor  # () load-balancing loss, 1.0 when routing probabilities are uniform
+    z_loss: Tensor  # () mean squared log-partition of the router logits
+    tokens_per_expert: Tensor  # (E,) int64, token-assignments each expert received (sums to N*K)
+
+
+class TopKRouter(nn.Module):
+    """Linear router: softmax over experts in fp32, keep the top k, renormalise their weights to sum to one."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x (N, H) -> weights (N, K) in x's dtype, expert ids (N, K), probs (N, E) fp32, logits (N, E) fp32."""
+        logits = F.linear(x, self.weight).float()
+        probs = logits.softmax(dim=-1)
+        top_probs, expert_ids = probs.topk(self.top_k, dim=-1)
+        weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), expert_ids, probs, logits
+
+
+class Experts(nn.Module):
+    """E SwiGLU feed-forwards stored as two stacked tensors; each token visits only its chosen experts."""
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * d_ff, d_model))  # (E, 2I, H), gate rows first
+        self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, d_ff))  # (E, H, I)
+
+    def forward(self, x: Tensor, weights: Tensor, expert_ids: Tensor) -> Tensor:
+        """x (N, H), weights and expert_ids (N, K) -> (N, H). Dropless: sort assignments by expert, one GEMM each."""
+        n_experts = self.gate_up_proj.shape[0]
+        top_k = expert_ids.shape[1]
+        flat_ids = expert_ids.reshape(-1)  # (N*K,)
+        order = flat_ids.argsort(stable=True)
+        token_of = order // top_k  # which token each sorted assignment belongs to
+        weight_of = weights.reshape(-1)[order]
+        counts = torch.bincount(flat_ids, minlength=n_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[start : start + count]
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n, I) each
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])  # (n, H)
+            out.index_add_(0, tokens, y * weight_of[start : start + count, None])
+            start += count
+        return out
+
+
+class MoE(nn.Module):
+    """Sparse feed-forward: route each token to its top-k experts and mix their outputs by router weight."""
+
+    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.n_experts = cfg.n_experts
+        self.gate = TopKRouter(d_model, cfg.n_experts, cfg.top_k)
+        self.experts = Experts(cfg.n_experts, d_model, cfg.d_ff_expert)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, RouterStats]:
+        """x (B, T, H) -> (B, T, H) and this layer's router statistics."""
+        tokens = x.reshape(-1, x.shape[-1])  # (N, H)
+        weights, expert_ids, probs, logits = self.gate(tokens)
+        out = self.experts(tokens, weights, expert_ids)
+        return out.view_as(x), router_stats(probs, logits, expert_ids, self.n_experts)
+
+
+def router_stats(probs: Tensor, logits: Tensor, expert_ids: Tensor, n_experts: int) -> RouterStats:
+    """Switch load-balancing loss E * sum_e f_e * P_e (f: share of assignments, P: mean probability) and z-loss."""
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=n_experts)
+    fraction = counts.float() / expert_ids.numel()  # (E,) sums to 1
+    aux = n_experts * (fraction * probs.mean(dim=0)).sum()
+    z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+    return RouterStats(aux_loss=aux, z_loss=z, tokens_per_expert=counts)

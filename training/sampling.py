@@ -1,0 +1,72 @@
+"""Autoregressive generation with a KV cache: greedy, temperature, top-k and nucleus (top-p) sampling.
+
+References: Fan et al. 2018 (top-k sampling); Holtzman et al. 2020 (nucleus sampling).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from training.model import Transformer
+
+
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """Set logits (B, V) outside the top-k and outside the smallest set with mass >= top_p to -inf."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keeps the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Tensor:
+    """prompt (B, T) -> (B, T + n) with n <= max_new_tokens; temperature 0 is greedy.
+
+    Without the cache every step recomputes the whole prefix, which is the reference the cached path is tested
+    against. Generation stops early once every row has produced `eos_id`.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
+    total = prompt.shape[1] + max_new_tokens
+    if total > model.cfg.max_seq_len:
+        raise ValueError(
+            f"prompt ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+            f"model.max_seq_len={model.cfg.max_seq_len}; shorten the prompt or generate fewer tokens"
+        )
+    cache = model.new_cache(prompt.shape[0], total) if use_cache else None
+    tokens = prompt
+    step_input = prompt
+    finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for _ in range(max_new_tokens):
+        logits = model(step_input if use_cache else tokens, cache=cache).logits[:, -1, :].float()  # (B, V)
+        if temperature == 0.0:
+            next_token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = filter_logits(logits / temperature, top_k, top_p).softmax(dim=-1)
+            next_token = torch.multinomial(probs, 1, generator=generator)
+        if eos_id is not None:
+            next_token = next_token.masked_fill(finished[:, None], eos_id)
+            finished |= next_token.squeeze(1) == eos_id
+        tokens = torch.cat([tokens, next_token], dim=1)
+        step_input = next_token
+        if eos_id is not None and bool(finished.all()):
+            break
+    return tokens
