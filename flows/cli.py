@@ -79,7 +79,9 @@ def print_summary(name: str, summary: dict[str, dict[str, Any]]) -> None:
     described = ", ".join(f"{k}={v}" for k, v in setting.items())
     for key, value in memory.items():
         table.add_row(f"memory_per_device/{key}", human_bytes(value))
-    table.add_row("kv_cache (batch 1, max_seq_len)", human_bytes(summary["kv_cache_bytes"]["batch_1_max_seq_len"]))
+    table.add_row(
+        "kv_cache (batch 1, max_seq_len)", human_bytes(summary["kv_cache_bytes"]["batch_1_max_seq_len"])
+    )
     table.caption = described
     Console().print(table)
 
@@ -88,10 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmforge", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    model = commands.add_parser("model", help="inspect model architectures").add_subparsers(dest="action", required=True)
-    summary = model.add_parser("summary", help="parameters, FLOPs and memory per device, from a recipe or HF config")
+    model = commands.add_parser("model", help="inspect model architectures").add_subparsers(
+        dest="action", required=True
+    )
+    summary = model.add_parser(
+        "summary", help="parameters, FLOPs and memory per device, from a recipe or HF config"
+    )
     summary.add_argument("recipe", nargs="?", help="recipe path or name in configs/ (e.g. demo)")
-    summary.add_argument("--from-hf", metavar="CONFIG_JSON", help="a Hugging Face Llama or Mixtral config.json")
+    summary.add_argument(
+        "--from-hf", metavar="CONFIG_JSON", help="a Hugging Face Llama or Mixtral config.json"
+    )
     summary.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_set_argument(summary)
     summary.set_defaults(handler=cmd_model_summary)

@@ -43,7 +43,9 @@ class Recipe(BaseModel):
     def _check_across_slices(self) -> Recipe:
         moe, par, train = self.model.moe, self.parallel, self.train
         if par.ep_size > 1 and moe is None:
-            raise ValueError(f"parallel.ep_size={par.ep_size} needs MoE layers; set model.moe or parallel.ep_size=1")
+            raise ValueError(
+                f"parallel.ep_size={par.ep_size} needs MoE layers; set model.moe or parallel.ep_size=1"
+            )
         if moe is not None and moe.n_experts % par.ep_size:
             raise ValueError(
                 f"parallel.ep_size={par.ep_size} must divide model.moe.n_experts={moe.n_experts} "
@@ -82,14 +84,18 @@ def resolve_recipe_path(recipe: str | Path) -> Path:
     if named.is_file():
         return named
     available = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-    raise ConfigError(f"recipe {str(recipe)!r} is neither a file nor a name in {CONFIG_DIR} (available: {available})")
+    raise ConfigError(
+        f"recipe {str(recipe)!r} is neither a file nor a name in {CONFIG_DIR} (available: {available})"
+    )
 
 
 def parse_override(override: str) -> tuple[list[str], Any]:
     """`a.b=c` -> (["a", "b"], c) with c parsed as YAML (so 3, 1e-3, true, [1, 2] get their types)."""
     key, sep, raw = override.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {override!r} must look like section.field=value, e.g. train.max_steps=200")
+        raise ConfigError(
+            f"override {override!r} must look like section.field=value, e.g. train.max_steps=200"
+        )
     return key.split("."), yaml.safe_load(raw) if raw else None
 
 

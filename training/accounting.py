@@ -121,21 +121,22 @@ def state_bytes_per_param(precision: Precision) -> tuple[int, int, int]:
 def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bool) -> tuple[int, int]:
     """(elements saved for backward per token in all layers, fp32 logit elements per token).
 
-    Dense layer: block input, normed input, q, k, v, attention output, residual, normed residual, gate, up,
-    silu(gate)·up = 4C + 2HD + 2GD + 3F. A MoE layer replaces 3F with K copies of (gathered input, gate, up,
-    product, expert output) plus the router probabilities. With activation checkpointing only block inputs are
-    kept, plus one block's working set while it is recomputed.
+    Dense layer: per RMSNorm its input, normalised and scaled outputs (3C, twice); q, k, v and the attention
+    output (2HD + 2GD); gate, up, silu(gate) and their product (4F): 6C + 2HD + 2GD + 4F. A MoE layer replaces
+    4F with, per top-k assignment, the gathered input, gate/up, silu(gate), product, expert output and its
+    router-weighted copy (3C + 4I), plus router logits and probabilities (2E). The head keeps the final norm's tensors (3C) and
+    fp32 log-probabilities (V). With activation checkpointing only block inputs are kept, plus one block's
+    working set while it is recomputed. Checked against autograd's saved tensors in tests/unit/test_accounting.py.
     """
     C, HD, GD = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     per_layer = []
     for i in range(cfg.n_layers):
-        ffn = 3 * cfg.d_ff
+        ffn = 4 * cfg.d_ff
         if cfg.moe is not None and cfg.is_moe_layer(i):
-            ffn = cfg.moe.top_k * (2 * C + 3 * cfg.moe.d_ff_expert) + cfg.moe.n_experts
-        per_layer.append(4 * C + 2 * HD + 2 * GD + ffn)
+            ffn = cfg.moe.top_k * (3 * C + 4 * cfg.moe.d_ff_expert) + 2 * cfg.moe.n_experts
+        per_layer.append(6 * C + 2 * HD + 2 * GD + ffn)
     layers = cfg.n_layers * C + max(per_layer) if activation_checkpointing else sum(per_layer)
-    head = 2 * C + cfg.vocab_size  # final norm input/output and 16-bit logits
-    return layers + head, cfg.vocab_size
+    return layers + 3 * C, cfg.vocab_size
 
 
 def training_memory(
@@ -204,7 +205,11 @@ def summarize(
     )
     return {
         "parameters": {**asdict(params), "matmul_active": params.matmul_active},
-        "flops_per_token": {"matmul_6n": flops.matmul, "attention": flops.attention, "training": flops.training},
+        "flops_per_token": {
+            "matmul_6n": flops.matmul,
+            "attention": flops.attention,
+            "training": flops.training,
+        },
         "memory_per_device_bytes": {**asdict(memory), "total": memory.total},
         "kv_cache_bytes": {"batch_1_max_seq_len": kv_cache_bytes(cfg, 1, cfg.max_seq_len, precision)},
         "setting": {

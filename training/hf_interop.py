@@ -64,7 +64,9 @@ def build_hf_model(cfg: ModelConfig) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     model_type, kwargs = hf_config_kwargs(cfg)
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if model_type == "llama" else (MixtralConfig, MixtralForCausalLM)
+    config_cls, model_cls = (
+        (LlamaConfig, LlamaForCausalLM) if model_type == "llama" else (MixtralConfig, MixtralForCausalLM)
+    )
     config = config_cls(**kwargs)
     config._attn_implementation = "eager"
     return model_cls(config)
@@ -91,7 +93,9 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
         )
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", "default") != "default":
-        log.warning("rope_type=%s is not modelled; it changes no parameter, FLOP or memory count", rope["rope_type"])
+        log.warning(
+            "rope_type=%s is not modelled; it changes no parameter, FLOP or memory count", rope["rope_type"]
+        )
     moe = None
     if model_type == "mixtral":
         moe = MoEConfig(
@@ -124,7 +128,9 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{path}: no such file; pass a Hugging Face config.json or the directory holding it") from None
+        raise ValueError(
+            f"{path}: no such file; pass a Hugging Face config.json or the directory holding it"
+        ) from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     return model_config_from_hf(data)

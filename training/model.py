@@ -128,7 +128,9 @@ class RMSNorm(nn.Module):
 
 def rope_tables(head_dim: int, positions: Tensor, theta: float) -> tuple[Tensor, Tensor]:
     """cos, sin (T, D) for absolute positions (T,), channel i paired with i + D/2 (`rotate_half` layout)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    )
     angles = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, D)
     return angles.cos(), angles.sin()
@@ -311,5 +313,6 @@ class Transformer(nn.Module):
         like = self.lm_head.weight
         length = max_len or self.cfg.max_seq_len
         return [
-            LayerKVCache(batch, self.cfg.n_kv_heads, self.cfg.head_dim, length, like) for _ in self.model.layers
+            LayerKVCache(batch, self.cfg.n_kv_heads, self.cfg.head_dim, length, like)
+            for _ in self.model.layers
         ]

@@ -82,7 +82,9 @@ class Experts(nn.Module):
 
     def __init__(self, n_experts: int, d_model: int, d_ff: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * d_ff, d_model))  # (E, 2I, H), gate rows first
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(n_experts, 2 * d_ff, d_model)
+        )  # (E, 2I, H), gate rows first
         self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, d_ff))  # (E, H, I)
 
     def forward(self, x: Tensor, weights: Tensor, expert_ids: Tensor) -> Tensor:

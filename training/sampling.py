@@ -19,7 +19,9 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
-        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keeps the token that crosses top_p
+        drop_sorted = (
+            sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        )  # keeps the token that crosses top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -131,7 +131,9 @@ def test_not_a_mapping(tmp_path: Path) -> None:
 
 def test_overrides_parse_yaml_types() -> None:
     assert parse_override("optim.lr=0.001") == (["optim", "lr"], 1e-3)
-    assert load_recipe("smoke", ["optim.lr=1e-3"]).optim.lr == 1e-3  # YAML 1.1 reads 1e-3 as text; pydantic converts
+    assert (
+        load_recipe("smoke", ["optim.lr=1e-3"]).optim.lr == 1e-3
+    )  # YAML 1.1 reads 1e-3 as text; pydantic converts
     assert parse_override("model.tie_embeddings=true") == (["model", "tie_embeddings"], True)
     data = apply_overrides({"model": {"d_model": 64}}, ["model.moe.top_k=1", "name=x"])
     assert data == {"model": {"d_model": 64, "moe": {"top_k": 1}}, "name": "x"}

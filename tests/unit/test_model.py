@@ -118,8 +118,14 @@ def test_cached_generation_equals_uncached(kind: str) -> None:
     assert greedy.shape == (2, 25) and torch.equal(greedy[:, :5], prompt)
     sample = {
         use_cache: generate(
-            model, prompt, 20, temperature=1.0, top_k=50, top_p=0.9,
-            generator=torch.Generator().manual_seed(0), use_cache=use_cache,
+            model,
+            prompt,
+            20,
+            temperature=1.0,
+            top_k=50,
+            top_p=0.9,
+            generator=torch.Generator().manual_seed(0),
+            use_cache=use_cache,
         )
         for use_cache in (True, False)
     }

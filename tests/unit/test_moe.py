@@ -89,7 +89,9 @@ def test_router_losses_carry_gradients(generator: torch.Generator) -> None:
     assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize(("first_k_dense", "every", "expected"), [(0, 1, [0, 1, 2, 3]), (1, 2, [1, 3]), (2, 1, [2, 3])])
+@pytest.mark.parametrize(
+    ("first_k_dense", "every", "expected"), [(0, 1, [0, 1, 2, 3]), (1, 2, [1, 3]), (2, 1, [2, 3])]
+)
 def test_layer_placement(first_k_dense: int, every: int, expected: list[int]) -> None:
     cfg = MoEConfig(n_experts=2, top_k=1, d_ff_expert=4, first_k_dense=first_k_dense, every_n_layers=every)
     assert [i for i in range(4) if cfg.is_moe_layer(i)] == expected

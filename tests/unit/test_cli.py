@@ -1,0 +1,72 @@
+"""`lmforge model summary`: table and JSON from recipes and Hugging Face configs, one-line errors, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+from flows.recipe import load_recipe
+from training.accounting import count_parameters
+
+HF_CONFIGS = Path(__file__).resolve().parents[1] / "assets" / "hf_configs"
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["model", "summary", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_summary_json_from_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, "moe-small")
+    expected = count_parameters(load_recipe("moe-small").model)
+    assert out["parameters"]["total"] == expected.total and out["parameters"]["active"] == expected.active
+    assert out["setting"]["ep_size"] == 2 and out["setting"]["precision"] == "bf16"
+
+
+def test_summary_overrides_change_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    one = run_json(capsys, "gpt2-small-like", "--set", "parallel.zero_stage=0")
+    three = run_json(capsys, "gpt2-small-like", "--set", "parallel.zero_stage=3")
+    assert three["memory_per_device_bytes"]["weights"] * 8 == one["memory_per_device_bytes"]["weights"]
+
+
+def test_summary_from_hf_config(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(
+        capsys,
+        "--from-hf",
+        str(HF_CONFIGS / "llama-3-8b.json"),
+        "--set",
+        "parallel.world_size=8",
+        "--set",
+        "train.micro_batch_size=1",
+    )
+    assert out["parameters"]["total"] == 8_030_261_248
+    assert out["setting"]["world_size"] == 8
+
+
+def test_summary_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["model", "summary", "smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "params/total" in out and "156,480" in out and "memory_per_device/optimizer" in out
+
+
+def test_bad_override_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["model", "summary", "smoke", "--set", "model.n_heads=5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lmforge: error: model: n_heads=5 must divide d_model=64") and "\n" not in err
+
+
+def test_missing_hf_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["model", "summary", "--from-hf", str(tmp_path / "nope.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_console_script_is_installed() -> None:
+    exe = Path(sys.executable).with_name("lmforge")
+    result = subprocess.run([str(exe), "model", "summary", "smoke", "--json"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["recipe"] == "smoke"
