@@ -32,7 +32,7 @@ test-fast: install
 	$(PY) -m pytest -q tests -m "not slow"
 
 bench: install
-	@for script in benchmarks/*.py; do $(PY) $$script || exit 1; done
+	@for script in $(wildcard benchmarks/*.py); do $(PY) $$script || exit 1; done
 
 lint: install
 	$(VENV)/bin/ruff check .
