@@ -36,7 +36,11 @@ def cmd_model_summary(args: argparse.Namespace) -> int:
         from training.hf_interop import load_hf_config
 
         model = load_hf_config(args.from_hf).model_dump(mode="json")
-        base = {"name": f"hf:{args.from_hf}", "model": model, "data": {"vocab_size": model["vocab_size"]}}
+        base = {
+            "name": f"hf:{args.from_hf}",
+            "model": model,
+            "data": {"tokenizer": {"vocab_size": model["vocab_size"]}},
+        }
         recipe = validate_recipe(apply_overrides(base, args.set))
     elif args.recipe:
         recipe = load_recipe(args.recipe, args.set)

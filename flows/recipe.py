@@ -62,10 +62,10 @@ class Recipe(BaseModel):
                 f"train.seq_len={train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 "lower train.seq_len or raise model.max_seq_len"
             )
-        if self.data.vocab_size > self.model.vocab_size:
+        if self.data.tokenizer.vocab_size > self.model.vocab_size:
             raise ValueError(
-                f"data.vocab_size={self.data.vocab_size} exceeds model.vocab_size={self.model.vocab_size}; "
-                "the embedding must cover every token id"
+                f"data.tokenizer.vocab_size={self.data.tokenizer.vocab_size} exceeds "
+                f"model.vocab_size={self.model.vocab_size}; the embedding must cover every token id"
             )
         return self
 

@@ -103,7 +103,8 @@ def test_seq_len_beyond_context() -> None:
 
 
 def test_vocab_mismatch() -> None:
-    assert "data.vocab_size=1024 exceeds model.vocab_size=512" in bad(["data.vocab_size=1024"])
+    message = bad(["data.tokenizer.vocab_size=1024"])
+    assert "data.tokenizer.vocab_size=1024 exceeds model.vocab_size=512" in message
 
 
 def test_depth_clashes_with_explicit_width() -> None:

@@ -1,0 +1,245 @@
+"""Documents from local files, the installed Python standard library, or a Hugging Face dataset.
+
+Documents stream one at a time in a deterministic order (sources as configured, files sorted), so the corpus is
+never held in memory and two runs see the same sequence. Bad input is reported by file and line: empty files
+are skipped and counted; bytes that are not UTF-8 are replaced by U+FFFD and counted; a JSONL line that is not
+JSON or lacks the text field is an error (or skipped and counted when `on_bad_record: skip`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import re
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from glob import glob
+from pathlib import Path
+
+from data_pipeline.config import DataConfig
+
+TEXT_SUFFIXES = (".txt", ".md")
+SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # how surrogateescape spells a byte that is not UTF-8
+# Parts of the standard library that are not the library itself: tests, build config, bundled wheels.
+_STDLIB_SKIP = re.compile(
+    r"(^|/)(tests?|idle_test|site-packages|config-[^/]*|ensurepip/_bundled)(/|$)|_sysconfigdata"
+)
+
+
+class DataError(ValueError):
+    """Input the pipeline cannot use; the message names the file (and line) and what to do."""
+
+
+@dataclass(frozen=True)
+class Document:
+    doc_id: str  # stable across runs: "<source>:<relative path>[:<line or row>]"
+    text: str
+
+
+@dataclass
+class ReadStats:
+    """What reading the sources skipped or repaired."""
+
+    files: int = 0
+    documents: int = 0
+    empty_skipped: int = 0
+    bad_records_skipped: int = 0
+    replaced_bytes: int = 0
+    replaced_in: list[str] = field(default_factory=list)  # first few files with non-UTF-8 bytes
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def decode_utf8(data: bytes, where: str, stats: ReadStats) -> str:
+    """Decode UTF-8, replacing each invalid byte with U+FFFD and counting it."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="surrogateescape")
+        bad = len(_ESCAPED_BYTE.findall(text))
+        stats.replaced_bytes += bad
+        if len(stats.replaced_in) < 10:
+            stats.replaced_in.append(where)
+        return _ESCAPED_BYTE.sub("\ufffd", text)
+
+
+def split_of(doc_id: str, val_fraction: float) -> str:
+    """'val' for a stable pseudo-random `val_fraction` of documents (by hash of the id), else 'train'."""
+    h = int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big") / 2**64
+    return "val" if h < val_fraction else "train"
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's own `.py` sources, sorted (no tests, no site-packages, no build config)."""
+    root = stdlib_root()
+    return sorted(p for p in root.rglob("*.py") if not _STDLIB_SKIP.search(p.relative_to(root).as_posix()))
+
+
+def _open_bytes(path: Path) -> bytes:
+    return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+
+
+def _kind(path: Path) -> str:
+    name = path.name.removesuffix(".gz")
+    return Path(name).suffix
+
+
+@dataclass(frozen=True)
+class _Source:
+    label: str  # prefix of document ids
+    root: Path | None  # for relative ids
+    files: tuple[Path, ...]
+    hf_spec: str | None = None
+
+
+class Corpus:
+    """The configured sources as one ordered stream of documents, with a content fingerprint."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        self.cfg = cfg
+        self.stats = ReadStats()
+        self._sources = [self._resolve(spec) for spec in cfg.sources]
+        if not cfg.sources:
+            raise DataError("data.sources is empty; list file globs, 'stdlib', or 'hf:<dataset>'")
+
+    def _resolve(self, spec: str) -> _Source:
+        if spec == "stdlib":
+            return _Source("stdlib", stdlib_root(), tuple(stdlib_files()))
+        if spec.startswith("hf:"):
+            return _Source(spec, None, (), hf_spec=spec.removeprefix("hf:"))
+        matches = sorted(Path(p) for p in glob(spec, recursive=True) if Path(p).is_file())
+        if not matches:
+            raise DataError(
+                f"data.sources: no files match {spec!r} (relative to {Path.cwd()}); check the glob"
+            )
+        unsupported = [p for p in matches if _kind(p) not in SUFFIXES]
+        if unsupported:
+            raise DataError(
+                f"data.sources: {unsupported[0]} has an unsupported type; use {', '.join(SUFFIXES)} (optionally .gz)"
+            )
+        return _Source(spec, None, tuple(matches))
+
+    def fingerprint(self) -> str:
+        """sha256 over every file's id and content (or the dataset's own fingerprint for `hf:` sources)."""
+        h = hashlib.sha256()
+        for source in self._sources:
+            h.update(source.label.encode() + b"\0")
+            if source.hf_spec is not None:
+                h.update(_hf_dataset(source.hf_spec)._fingerprint.encode())
+            for path in source.files:
+                h.update(self._file_id(source, path).encode() + b"\0")
+                h.update(hashlib.sha256(path.read_bytes()).digest())
+        h.update(json.dumps([self.cfg.text_field, self.cfg.max_documents]).encode())
+        return h.hexdigest()
+
+    @staticmethod
+    def _file_id(source: _Source, path: Path) -> str:
+        rel = path.relative_to(source.root).as_posix() if source.root else path.as_posix()
+        return f"{source.label}:{rel}" if source.root else rel
+
+    def __iter__(self) -> Iterator[Document]:
+        self.stats = ReadStats()
+        limit = self.cfg.max_documents
+        for source in self._sources:
+            documents = (
+                _iter_hf(source.hf_spec, self.cfg.text_field) if source.hf_spec else self._iter_files(source)
+            )
+            for doc in documents:
+                if not doc.text.strip():
+                    self.stats.empty_skipped += 1
+                    continue
+                self.stats.documents += 1
+                yield doc
+                if limit is not None and self.stats.documents >= limit:
+                    return
+
+    def _iter_files(self, source: _Source) -> Iterator[Document]:
+        for path in source.files:
+            self.stats.files += 1
+            file_id = self._file_id(source, path)
+            kind = _kind(path)
+            if kind == ".jsonl":
+                yield from self._iter_jsonl(path, file_id)
+            elif kind == ".parquet":
+                yield from self._iter_parquet(path, file_id)
+            else:
+                yield Document(file_id, decode_utf8(_open_bytes(path), str(path), self.stats))
+
+    def _iter_jsonl(self, path: Path, file_id: str) -> Iterator[Document]:
+        field_name = self.cfg.text_field
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                line = decode_utf8(raw, f"{path}:{lineno}", self.stats).strip()
+                if not line:
+                    continue
+                problem = None
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    problem = f"not valid JSON ({error.msg})"
+                else:
+                    if not isinstance(record, dict) or not isinstance(record.get(field_name), str):
+                        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                        problem = f"has no string field {field_name!r} (found: {keys}); set data.text_field"
+                if problem is None:
+                    yield Document(f"{file_id}:{lineno}", record[field_name])
+                elif self.cfg.on_bad_record == "skip":
+                    self.stats.bad_records_skipped += 1
+                else:
+                    raise DataError(
+                        f"{path}:{lineno}: {problem} (or set data.on_bad_record=skip to skip such lines)"
+                    )
+
+    def _iter_parquet(self, path: Path, file_id: str) -> Iterator[Document]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            handle = io.BytesIO(_open_bytes(path)) if path.suffix == ".gz" else path
+            parquet = pq.ParquetFile(handle)
+        except (pa.ArrowException, OSError) as error:
+            raise DataError(
+                f"{path}: not a readable parquet file ({error}); re-export or remove it"
+            ) from None
+        columns = parquet.schema_arrow.names
+        if self.cfg.text_field not in columns:
+            raise DataError(
+                f"{path}: no column {self.cfg.text_field!r} (columns: {columns}); set data.text_field"
+            )
+        row = 0
+        try:
+            for batch in parquet.iter_batches(columns=[self.cfg.text_field], batch_size=1024):
+                for text in batch.column(0).to_pylist():
+                    yield Document(f"{file_id}#{row}", text or "")
+                    row += 1
+        except (pa.ArrowException, OSError) as error:
+            raise DataError(f"{path}: corrupt parquet data after row {row} ({error})") from None
+
+
+def _hf_dataset(spec: str):  # noqa: ANN202 - `datasets` is optional and not typed here
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"source hf:{spec} needs the `datasets` package: pip install datasets") from None
+    name, _, split = spec.partition(":")
+    return datasets.load_dataset(name, split=split or "train")
+
+
+def _iter_hf(spec: str, text_field: str) -> Iterator[Document]:
+    dataset = _hf_dataset(spec)
+    if text_field not in dataset.column_names:
+        raise DataError(
+            f"hf:{spec}: no column {text_field!r} (columns: {dataset.column_names}); set data.text_field"
+        )
+    for row, record in enumerate(dataset):
+        yield Document(f"hf:{spec}#{row}", record[text_field] or "")

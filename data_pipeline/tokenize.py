@@ -1,0 +1,204 @@
+"""Stage 1: documents -> trained tokenizer -> Arrow token shards with a manifest.
+
+Documents are cut into fixed chunks of CHUNK_DOCS in corpus order and encoded by N worker processes (or Ray
+tasks) through a bounded window of chunks in flight, then written in order by this process. Chunking does not
+depend on N, so the shards are byte-identical for any number of workers, and memory stays bounded by the window
+and one shard per split. The output directory is named by the stage config, the source fingerprint and the
+tokenizer digest; an interrupted run keeps its complete shards and resumes after the last one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from data_pipeline.config import DataConfig
+from data_pipeline.shards import (
+    SPLITS,
+    DatasetManifest,
+    ShardWriter,
+    SplitInfo,
+    TokenizerInfo,
+    completed_shards,
+    token_dtype,
+)
+from data_pipeline.sources import Corpus, DataError, split_of
+from data_pipeline.tokenizer import TokenizerRef, run_train_tokenizer
+from infra.storage import MANIFEST, atomic_write_json, remove_partial_files, stage_dir
+
+log = logging.getLogger(__name__)
+
+SHARD_FORMAT_VERSION = 1
+CHUNK_DOCS = 64  # documents per unit of parallel work; fixed so output never depends on the worker count
+Progress = Callable[[int, int], None]  # (documents done, tokens done)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    indices: list[int]  # positions in the corpus stream
+    splits: list[str]
+    texts: list[str]
+
+
+def corpus_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer for raw text: special-token strings inside documents are encoded as plain text."""
+    tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+def encode_texts(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: str) -> list[np.ndarray]:
+    """Token ids of each text followed by end-of-text."""
+    return [np.array([*e.ids, eos_id], dtype=dtype) for e in tokenizer.encode_batch(texts)]
+
+
+_worker: tuple[Tokenizer, int, str] | None = None
+
+
+def _init_worker(tokenizer_path: str, eos_id: int, dtype: str) -> None:
+    global _worker
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; the pool is the parallelism
+    _worker = (corpus_tokenizer(tokenizer_path), eos_id, dtype)
+
+
+def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+    assert _worker is not None, "worker not initialised"
+    tokenizer, eos_id, dtype = _worker
+    return encode_texts(tokenizer, texts, eos_id, dtype)
+
+
+def _encode_with_ray(tokenizer_path: str, texts: list[str], eos_id: int, dtype: str) -> list[np.ndarray]:
+    if _worker is None or _worker[1:] != (eos_id, dtype):
+        _init_worker(tokenizer_path, eos_id, dtype)
+    return _encode_in_worker(texts)
+
+
+def encode_chunks(
+    chunks: Iterator[Chunk], tok: TokenizerRef, dtype: str, workers: int, backend: str
+) -> Iterator[tuple[Chunk, list[np.ndarray]]]:
+    """Encode chunks in parallel and yield them in input order, with at most 2 x workers chunks in flight."""
+    window = 2 * workers
+    if workers == 1 and backend == "processes":
+        tokenizer = corpus_tokenizer(tok.path)
+        for chunk in chunks:
+            yield chunk, encode_texts(tokenizer, chunk.texts, tok.eos_id, dtype)
+        return
+    if backend == "ray":
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        remote = ray.remote(num_cpus=1)(_encode_with_ray)
+        pending_refs: deque = deque()
+        for chunk in chunks:
+            pending_refs.append((chunk, remote.remote(tok.path, chunk.texts, tok.eos_id, dtype)))
+            if len(pending_refs) >= window:
+                done, ref = pending_refs.popleft()
+                yield done, ray.get(ref)
+        while pending_refs:
+            done, ref = pending_refs.popleft()
+            yield done, ray.get(ref)
+        return
+    context = get_context("spawn")  # no fork of a parent that may hold threads (torch, tokenizers)
+    with ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_init_worker, initargs=(tok.path, tok.eos_id, dtype)
+    ) as pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append((chunk, pool.submit(_encode_in_worker, chunk.texts)))
+            if len(pending) >= window:
+                done, future = pending.popleft()
+                yield done, future.result()
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
+
+
+def chunk_corpus(corpus: Corpus, val_fraction: float, resume_from: dict[str, int]) -> Iterator[Chunk]:
+    """The corpus in CHUNK_DOCS pieces, leaving out documents already in complete shards of their split."""
+    indices: list[int] = []
+    splits: list[str] = []
+    texts: list[str] = []
+    for index, doc in enumerate(corpus):
+        split = split_of(doc.doc_id, val_fraction)
+        if index >= resume_from[split]:
+            indices.append(index)
+            splits.append(split)
+            texts.append(doc.text)
+        if len(indices) == CHUNK_DOCS:
+            yield Chunk(indices, splits, texts)
+            indices, splits, texts = [], [], []
+    if indices:
+        yield Chunk(indices, splits, texts)
+
+
+def dataset_key(cfg: DataConfig, fingerprint: str, tokenizer_digest: str) -> dict[str, object]:
+    """What determines the shards' bytes (not the worker count or backend, which cannot change them)."""
+    fields = {"sources", "text_field", "max_documents", "on_bad_record", "val_fraction", "shard_tokens"}
+    return {
+        "version": SHARD_FORMAT_VERSION,
+        "config": cfg.model_dump(mode="json", include=fields),
+        "source": fingerprint,
+        "tokenizer": tokenizer_digest,
+    }
+
+
+def run_tokenize(cfg: DataConfig, root: str | Path, progress: Progress | None = None) -> DatasetManifest:
+    """Stage 1 as a plain function: tokenizer, then shards in `<root>/tokenize/tokens-<hash>/`; idempotent."""
+    corpus = Corpus(cfg)
+    fingerprint = corpus.fingerprint()
+    tok = run_train_tokenizer(cfg.tokenizer, corpus, fingerprint, root)
+    out = stage_dir(root, "tokenize", "tokens", dataset_key(cfg, fingerprint, tok.digest))
+    if (out / MANIFEST).is_file():
+        log.info("tokenize: %s is complete, nothing to do", out)
+        return DatasetManifest.load(out)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_partial_files(out)
+    dtype = token_dtype(tok.vocab_size)
+    writers = {s: ShardWriter(out, s, dtype, cfg.shard_tokens, completed_shards(out, s)) for s in SPLITS}
+    resume_from = {s: (w.shards[-1].end_doc if w.shards else 0) for s, w in writers.items()}
+    if any(resume_from.values()):
+        log.info("tokenize: resuming %s after documents %s", out, resume_from)
+    docs = tokens = 0
+    chunks = chunk_corpus(corpus, cfg.val_fraction, resume_from)
+    for chunk, arrays in encode_chunks(chunks, tok, dtype, cfg.num_workers, cfg.backend):
+        for index, split, array in zip(chunk.indices, chunk.splits, arrays, strict=True):
+            writers[split].add(index, array)
+        docs += len(arrays)
+        tokens += sum(len(a) for a in arrays)
+        if progress is not None:
+            progress(docs, tokens)
+    for writer in writers.values():
+        writer.flush()
+    if not any(w.shards for w in writers.values()):
+        raise DataError(
+            f"data.sources {list(cfg.sources)} hold no text ({corpus.stats.as_dict()}); check the files"
+        )
+    manifest = DatasetManifest(
+        version=SHARD_FORMAT_VERSION,
+        path=str(out.resolve()),
+        tokenizer=TokenizerInfo(**tok.__dict__),
+        source_fingerprint=fingerprint,
+        dtype=dtype,
+        splits={
+            s: SplitInfo(
+                n_tokens=sum(i.n_tokens for i in w.shards),
+                n_docs=sum(i.n_docs for i in w.shards),
+                shards=w.shards,
+            )
+            for s, w in writers.items()
+        },
+        read_stats=corpus.stats.as_dict(),
+        config=cfg.model_dump(mode="json"),
+    )
+    atomic_write_json(out / MANIFEST, manifest.model_dump(mode="json"))
+    return manifest

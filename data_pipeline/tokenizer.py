@@ -1,0 +1,144 @@
+"""Byte-level BPE tokenizer (Hugging Face `tokenizers`), saved so `transformers.AutoTokenizer` loads it.
+
+References: Sennrich et al. 2016 (BPE); Radford et al. 2019 (byte-level BPE, GPT-2 pre-tokenisation).
+Special tokens: end-of-text (document separator), padding, and chat role markers used by the chat template.
+The tokenizer digest (sha256 of `tokenizer.json`) is recorded in every downstream manifest; data made with one
+tokenizer is refused by a model or loader expecting another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from data_pipeline.config import TokenizerConfig
+from data_pipeline.sources import Corpus, DataError
+from infra.storage import MANIFEST, atomic_write_json, stage_dir
+
+log = logging.getLogger(__name__)
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+ROLES = ("system", "user", "assistant")
+END_OF_TURN = "<|end|>"
+SPECIAL_TOKENS = [EOS, PAD, *(f"<|{role}|>" for role in ROLES), END_OF_TURN]
+# Each turn renders as "<|role|>\n{content}<|end|>\n"; `data_pipeline/sft.py` builds loss masks on this layout.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+TOKENIZER_VERSION = 1  # bump when training or saving changes what the same config produces
+
+
+@dataclass(frozen=True)
+class TokenizerRef:
+    """A saved tokenizer: directory (loadable by AutoTokenizer), digest and the ids the pipeline needs."""
+
+    path: str
+    digest: str
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+
+    def load(self) -> Tokenizer:
+        return Tokenizer.from_file(str(Path(self.path) / "tokenizer.json"))
+
+
+def train_bpe(texts: Iterable[str], cfg: TokenizerConfig) -> Tokenizer:
+    """Train byte-level BPE on `texts` (all 256 bytes in the base alphabet, so nothing is ever unknown)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
+    """Write `tokenizer.json`, `tokenizer_config.json` (with the chat template) and the special-tokens map."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (EOS, PAD)],
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(str(out_dir))
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def describe(path: Path) -> TokenizerRef:
+    """A TokenizerRef for a directory holding `tokenizer.json` (or the file itself)."""
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise DataError(
+            f"{path}: no tokenizer.json; give data.tokenizer.path a tokenizer.json or its directory"
+        )
+    tokenizer = Tokenizer.from_file(str(file))
+    missing = [t for t in (EOS, PAD) if tokenizer.token_to_id(t) is None]
+    if missing:
+        raise DataError(
+            f"{file}: lacks special tokens {missing}; lmforge needs {EOS} and {PAD} in the vocabulary"
+        )
+    return TokenizerRef(
+        path=str(file.parent),
+        digest=file_digest(file),
+        vocab_size=tokenizer.get_vocab_size(),
+        eos_id=tokenizer.token_to_id(EOS),
+        pad_id=tokenizer.token_to_id(PAD),
+    )
+
+
+def _sample(corpus: Corpus, max_bytes: int) -> Iterator[str]:
+    """The first documents of the corpus up to `max_bytes` of UTF-8."""
+    seen = 0
+    for doc in corpus:
+        yield doc.text
+        seen += len(doc.text.encode())
+        if seen >= max_bytes:
+            return
+
+
+def run_train_tokenizer(
+    cfg: TokenizerConfig, corpus: Corpus, fingerprint: str, root: str | Path
+) -> TokenizerRef:
+    """Stage: train (or reuse) the tokenizer in `<root>/tokenizer/bpe<V>-<hash>/`; an existing path is used as is."""
+    if cfg.path is not None:
+        return describe(Path(cfg.path))
+    key = {"version": TOKENIZER_VERSION, "config": cfg.model_dump(mode="json"), "source": fingerprint}
+    out = stage_dir(root, "tokenizer", f"bpe{cfg.vocab_size}", key)
+    if (out / MANIFEST).is_file():
+        return TokenizerRef(**json.loads((out / MANIFEST).read_text())["tokenizer"])
+    log.info("training a %d-token BPE on up to %d bytes of the corpus", cfg.vocab_size, cfg.train_bytes)
+    tokenizer = train_bpe(_sample(corpus, cfg.train_bytes), cfg)
+    if corpus.stats.documents == 0:
+        raise DataError(f"no text to train the tokenizer on ({corpus.stats.as_dict()}); check data.sources")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
+    save_tokenizer(tokenizer, staging)
+    if out.exists():  # an earlier run died between saving and its manifest
+        shutil.rmtree(out)
+    staging.rename(out)
+    ref = describe(out)
+    atomic_write_json(out / MANIFEST, {"tokenizer": ref.__dict__, "key": key})
+    return ref
