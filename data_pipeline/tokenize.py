@@ -1,9 +1,9 @@
 """Stage 1: documents -> trained tokenizer -> Arrow token shards with a manifest.
 
-Documents are cut into fixed chunks of CHUNK_DOCS in corpus order and encoded by N worker processes (or Ray
-tasks) through a bounded window of chunks in flight, then written in order by this process. Chunking does not
-depend on N, so the shards are byte-identical for any number of workers, and memory stays bounded by the window
-and one shard per split. The output directory is named by the stage config, the source fingerprint and the
+Documents are cut into chunks in corpus order and encoded by N worker processes (or Ray tasks) through a
+bounded window of chunks in flight, then written in order by this process. Each document is encoded on its
+own, so the shards are byte-identical for any number of workers, and memory stays bounded by the window and
+one shard per split. The output directory is named by the stage config, the source fingerprint and the
 tokenizer digest; an interrupted run keeps its complete shards and resumes after the last one.
 """
 
@@ -38,7 +38,11 @@ from infra.storage import MANIFEST, atomic_write_json, remove_partial_files, sta
 log = logging.getLogger(__name__)
 
 SHARD_FORMAT_VERSION = 1
-CHUNK_DOCS = 64  # documents per unit of parallel work; fixed so output never depends on the worker count
+# A unit of parallel work ends after CHUNK_DOCS documents or CHUNK_CHARS characters, whichever comes first,
+# which bounds memory per chunk. Output never depends on chunking: documents are encoded independently and
+# written in corpus order.
+CHUNK_DOCS = 256
+CHUNK_CHARS = 1 << 18
 Progress = Callable[[int, int], None]  # (documents done, tokens done)
 
 
@@ -124,19 +128,22 @@ def encode_chunks(
 
 
 def chunk_corpus(corpus: Corpus, val_fraction: float, resume_from: dict[str, int]) -> Iterator[Chunk]:
-    """The corpus in CHUNK_DOCS pieces, leaving out documents already in complete shards of their split."""
+    """The corpus in fixed pieces, leaving out documents already in complete shards of their split."""
     indices: list[int] = []
     splits: list[str] = []
     texts: list[str] = []
+    chars = 0
     for index, doc in enumerate(corpus):
         split = split_of(doc.doc_id, val_fraction)
         if index >= resume_from[split]:
             indices.append(index)
             splits.append(split)
             texts.append(doc.text)
-        if len(indices) == CHUNK_DOCS:
-            yield Chunk(indices, splits, texts)
-            indices, splits, texts = [], [], []
+        chars += len(doc.text)
+        if len(indices) == CHUNK_DOCS or chars >= CHUNK_CHARS:
+            if indices:
+                yield Chunk(indices, splits, texts)
+            indices, splits, texts, chars = [], [], [], 0
     if indices:
         yield Chunk(indices, splits, texts)
 

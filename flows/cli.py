@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from flows.recipe import ConfigError, apply_overrides, load_recipe, validate_recipe
@@ -64,6 +66,80 @@ def cmd_model_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    """Stage 1 from the command line: tokenizer, token shards and SFT examples, with a progress bar."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from data_pipeline.sft import run_sft_data
+    from data_pipeline.tokenize import run_tokenize
+    from data_pipeline.tokenizer import describe
+
+    recipe = load_recipe(args.recipe, args.set)
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[rate]}"),
+    )
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task("tokenizing", total=None, rate="")
+        started = time.perf_counter()
+
+        def report(docs: int, tokens: int) -> None:
+            rate = tokens / max(time.perf_counter() - started, 1e-9)
+            progress.update(
+                task, description=f"{docs:,} documents, {tokens:,} tokens", rate=f"{rate:,.0f} tokens/s"
+            )
+
+        manifest = run_tokenize(recipe.data, recipe.output_dir, progress=report)
+        progress.update(task, description="SFT examples")
+        sft = run_sft_data(
+            recipe.data.sft, describe(Path(manifest.tokenizer.path)), recipe.train.seq_len, recipe.output_dir
+        )
+    print(f"dataset   {manifest.path}")
+    for split, info in manifest.splits.items():
+        print(
+            f"  {split:<5} {info.n_docs:>8,} documents {info.n_tokens:>12,} tokens in {len(info.shards)} shards"
+        )
+    stats = manifest.read_stats
+    print(
+        f"  skipped: {stats['empty_skipped']} empty, {stats['bad_records_skipped']} bad records; "
+        f"{stats['replaced_bytes']} non-UTF-8 bytes replaced"
+    )
+    print(
+        f"tokenizer {manifest.tokenizer.path} (vocab {manifest.tokenizer.vocab_size}, sha256 {manifest.tokenizer.digest[:16]})"
+    )
+    print(f"sft       {sft.path} {sft.counts}")
+    return 0
+
+
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    """Print a dataset's manifest, a histogram of document lengths and a few decoded documents."""
+    import numpy as np
+
+    from data_pipeline.shards import DatasetManifest, ShardReader
+    from data_pipeline.tokenizer import describe
+
+    manifest = DatasetManifest.load(args.directory)
+    print(json.dumps(manifest.model_dump(mode="json", exclude={"config"}), indent=2)[: args.max_chars])
+    reader = ShardReader(manifest, args.split, verify=True)
+    lengths = reader.document_lengths()
+    print(
+        f"\n{args.split}: {len(lengths):,} documents, {reader.n_tokens:,} tokens (all shards verified by sha256)"
+    )
+    edges = np.unique(np.geomspace(max(1, lengths.min()), lengths.max() + 1, num=12).astype(int))
+    counts, _ = np.histogram(lengths, bins=edges)
+    width = max(counts.max(), 1)
+    for lo, hi, count in zip(edges[:-1], edges[1:], counts, strict=True):
+        print(f"  {lo:>8,}-{hi - 1:<8,} tokens {'#' * int(40 * count / width):<40} {count:,}")
+    tokenizer = describe(Path(manifest.tokenizer.path)).load()
+    ends = np.concatenate([[0], np.cumsum(lengths)])
+    for i in range(min(args.samples, len(lengths))):
+        text = tokenizer.decode(reader.slice(int(ends[i]), int(min(lengths[i], 80))).tolist())
+        print(f"\n--- document {i} ({lengths[i]:,} tokens) ---\n{text}")
+    return 0
+
+
 def print_summary(name: str, summary: dict[str, dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -107,6 +183,21 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_set_argument(summary)
     summary.set_defaults(handler=cmd_model_summary)
+
+    tokenize = commands.add_parser(
+        "tokenize", help="stage 1: train the tokenizer, write token shards and SFT examples"
+    )
+    tokenize.add_argument("recipe", help="recipe path or name in configs/")
+    add_set_argument(tokenize)
+    tokenize.set_defaults(handler=cmd_tokenize)
+
+    data = commands.add_parser("data", help="inspect datasets").add_subparsers(dest="action", required=True)
+    inspect = data.add_parser("inspect", help="manifest, token-length histogram and decoded samples")
+    inspect.add_argument("directory", help="a tokenize output directory (holds manifest.json)")
+    inspect.add_argument("--split", default="train", choices=["train", "val"])
+    inspect.add_argument("--samples", type=int, default=3, help="documents to decode")
+    inspect.add_argument("--max-chars", type=int, default=4000, help="truncate the printed manifest")
+    inspect.set_defaults(handler=cmd_data_inspect)
     return parser
 
 

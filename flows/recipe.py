@@ -33,6 +33,7 @@ class Recipe(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
+    output_dir: str = "outputs"  # stage outputs go to <output_dir>/<stage>/<name>-<hash>/
     model: ModelConfig
     optim: OptimConfig = OptimConfig()
     parallel: ParallelConfig = ParallelConfig()

@@ -14,3 +14,26 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture
 def generator() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(scope="session")
+def small_data_cfg():
+    """The first 40 stdlib documents, a 512-token BPE, small shards: seconds to tokenize."""
+    from data_pipeline.config import DataConfig, TokenizerConfig
+
+    return DataConfig(
+        max_documents=40,
+        val_fraction=0.1,
+        shard_tokens=20_000,
+        num_workers=1,
+        tokenizer=TokenizerConfig(vocab_size=512, min_frequency=2),
+    )
+
+
+@pytest.fixture(scope="session")
+def tokenized(small_data_cfg, tmp_path_factory):
+    """(manifest, output root) of the small stdlib dataset, built once per test session."""
+    from data_pipeline.tokenize import run_tokenize
+
+    root = tmp_path_factory.mktemp("outputs")
+    return run_tokenize(small_data_cfg, root), root

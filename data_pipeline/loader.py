@@ -1,0 +1,145 @@
+"""Packed, shuffled, rank-sharded batches over memory-mapped token shards, resumable to the exact batch.
+
+The split's shards form one token stream in which every document already ends with end-of-text. Window w covers
+tokens [w·T, w·T + T + 1): inputs are its first T tokens, targets the last T, so every token is a target once.
+Windows are shuffled by a permutation drawn from (seed, epoch), dealt to data-parallel ranks round-robin with the
+tail dropped so every rank gets the same number, and cut into batches. The position (epoch, batch) is the whole
+state: a loader restored from `state_dict()` yields exactly the batches the uninterrupted one would have.
+
+Shape letters: B batch, T sequence length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from data_pipeline.shards import DatasetManifest, ShardReader
+from data_pipeline.sources import DataError
+
+
+class EpochSampler:
+    """Which items each rank sees, batch by batch, across epochs; deterministic from (seed, epoch)."""
+
+    def __init__(
+        self, n_items: int, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
+        self.n_items, self.batch_size, self.rank, self.world_size = n_items, batch_size, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.per_rank = n_items // world_size
+        self.batches_per_epoch = self.per_rank // batch_size
+        if self.batches_per_epoch == 0:
+            raise DataError(
+                f"{n_items} items cannot fill one batch of {batch_size} on each of {world_size} ranks; "
+                "use more data, a smaller batch or a shorter sequence length"
+            )
+        self.epoch = 0
+        self.batch = 0
+        self._order_epoch = -1
+        self._order = np.empty(0, dtype=np.int64)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """This rank's items for `epoch`, in the order it visits them."""
+        if epoch != self._order_epoch:
+            items = np.arange(self.n_items, dtype=np.int64)
+            if self.shuffle:
+                items = np.random.default_rng([self.seed, epoch]).permutation(items)
+            self._order = items[self.rank : self.per_rank * self.world_size : self.world_size]
+            self._order_epoch = epoch
+        return self._order
+
+    def next_indices(self) -> np.ndarray:
+        start = self.batch * self.batch_size
+        indices = self.order(self.epoch)[start : start + self.batch_size]
+        self.batch += 1
+        if self.batch == self.batches_per_epoch:
+            self.epoch, self.batch = self.epoch + 1, 0
+        return indices
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "seed": self.seed,
+            "n_items": self.n_items,
+            "batch_size": self.batch_size,
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        fixed = ("seed", "n_items", "batch_size", "rank", "world_size")
+        different = {k: (state.get(k), mine[k]) for k in fixed if state.get(k) != mine[k]}
+        if different:
+            described = ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in different.items())
+            raise DataError(
+                f"loader state does not fit this loader ({described}); resume with the same data and batch"
+            )
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+
+
+class PackedLoader:
+    """Batches (inputs, targets), each (B, T) int64, from one split of a tokenized dataset."""
+
+    def __init__(
+        self,
+        manifest: DatasetManifest,
+        split: str = "train",
+        *,
+        seq_len: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        tokenizer_digest: str | None = None,
+        verify: bool = False,
+    ) -> None:
+        if tokenizer_digest is not None:
+            manifest.check_tokenizer(tokenizer_digest)
+        self.seq_len = seq_len
+        self.reader = ShardReader(manifest, split, verify=verify)
+        n_windows = max(0, (self.reader.n_tokens - 1) // seq_len)
+        self.sampler = EpochSampler(n_windows, batch_size, rank, world_size, seed, shuffle)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.sampler.batches_per_epoch
+
+    def batch_of(self, windows: np.ndarray) -> tuple[Tensor, Tensor]:
+        rows = np.stack([self.reader.slice(int(w) * self.seq_len, self.seq_len + 1) for w in windows])
+        tokens = torch.from_numpy(rows.astype(np.int64))
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        return self.batch_of(self.sampler.next_indices())
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        """Endless: epochs follow one another with fresh shuffles."""
+        while True:
+            yield self.next_batch()
+
+    def epoch_batches(self, max_batches: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+        """One pass over epoch 0 in a fixed order (for evaluation); does not move the loader's position."""
+        order = self.sampler.order(0)
+        size = self.sampler.batch_size
+        n = self.batches_per_epoch if max_batches is None else min(max_batches, self.batches_per_epoch)
+        for b in range(n):
+            yield self.batch_of(order[b * size : (b + 1) * size])
+
+    def state_dict(self) -> dict[str, int]:
+        return {**self.sampler.state_dict(), "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("seq_len") != self.seq_len:
+            raise DataError(
+                f"loader state is for seq_len={state.get('seq_len')}, this loader uses {self.seq_len}"
+            )
+        self.sampler.load_state_dict(state)

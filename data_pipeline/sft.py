@@ -1,0 +1,287 @@
+"""Supervised fine-tuning examples: chat turns rendered with the tokenizer's template, loss on assistant tokens.
+
+Sources: JSONL with `{"messages": [{"role", "content"}, ...]}` or `{"prompt", "response"}`, or `builtin`:
+questions about the standard library corpus ("What does `json.dumps` do?" answered by the first sentence of its
+docstring), read from the source with `ast`, never by importing it.
+
+The loss mask is 1 exactly on the tokens of assistant contents and their end-of-turn marker. Examples are not
+packed together: each is one row padded to the sequence length (padding carries no loss), so no example can
+attend to another. This wastes some compute on short examples and keeps attention masks trivial.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import BaseModel, ConfigDict
+from tokenizers import Tokenizer
+from torch import Tensor
+
+from data_pipeline.config import SFTConfig
+from data_pipeline.loader import EpochSampler
+from data_pipeline.sources import DataError, ReadStats, decode_utf8, split_of, stdlib_files, stdlib_root
+from data_pipeline.tokenizer import END_OF_TURN, ROLES, SPECIAL_TOKENS, TokenizerRef
+from infra.storage import MANIFEST, atomic_write_bytes, atomic_write_json, digest_of, stage_dir
+
+IGNORE_INDEX = -100  # same convention as training.model.IGNORE_INDEX and torch's cross-entropy
+SFT_FORMAT_VERSION = 1
+Messages = list[dict[str, str]]
+
+
+def normalize_example(record: Any, where: str) -> Messages:
+    """A JSON record as a list of {role, content} turns, checked: known roles, text content, an assistant turn."""
+    if isinstance(record, dict) and "messages" in record:
+        messages = record["messages"]
+    elif isinstance(record, dict) and "prompt" in record and "response" in record:
+        messages = [
+            {"role": "user", "content": record["prompt"]},
+            {"role": "assistant", "content": record["response"]},
+        ]
+    else:
+        raise DataError(f"{where}: expected {{'messages': [...]}} or {{'prompt': ..., 'response': ...}}")
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    for turn in messages:
+        if not isinstance(turn, dict) or not isinstance(turn.get("content"), str):
+            raise DataError(f"{where}: every turn needs a string 'content' (got {turn!r:.80})")
+        if turn.get("role") not in ROLES:
+            raise DataError(f"{where}: unknown role {turn.get('role')!r}; roles are {', '.join(ROLES)}")
+        reserved = [t for t in SPECIAL_TOKENS if t in turn["content"]]
+        if reserved:
+            raise DataError(
+                f"{where}: content contains the reserved marker {reserved[0]}; remove it from the text"
+            )
+    if not any(turn["role"] == "assistant" for turn in messages):
+        raise DataError(f"{where}: no assistant turn, so nothing to learn from; add one or drop the example")
+    return [{"role": t["role"], "content": t["content"]} for t in messages]
+
+
+def read_sft_jsonl(path: Path) -> list[Messages]:
+    if not path.is_file():
+        raise DataError(f"data.sft.source: {path} does not exist; give a JSONL file or 'builtin'")
+    examples, stats = [], ReadStats()
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        line = decode_utf8(raw, f"{path}:{lineno}", stats).strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({error.msg})") from None
+        examples.append(normalize_example(record, f"{path}:{lineno}"))
+    if not examples:
+        raise DataError(f"{path}: no examples")
+    return examples
+
+
+def first_sentence(docstring: str) -> str | None:
+    """The first sentence of a docstring's first paragraph, if it is a usable answer (20 to 300 characters)."""
+    paragraph = " ".join(docstring.strip().split("\n\n")[0].split())
+    match = re.match(r"(.+?[.!?])(\s|$)", paragraph)
+    sentence = match.group(1) if match else paragraph
+    return sentence if 20 <= len(sentence) <= 300 else None
+
+
+def builtin_sft_examples(max_examples: int | None) -> list[Messages]:
+    """Questions about public functions and classes of the standard library, answered from their docstrings."""
+    examples: list[Messages] = []
+    root = stdlib_root()
+    for path in stdlib_files():
+        parts = path.relative_to(root).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if any(p.startswith("_") for p in parts):
+            continue
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        module = ".".join(parts)
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef | ast.ClassDef) or node.name.startswith("_"):
+                continue
+            answer = first_sentence(ast.get_docstring(node) or "")
+            if answer:
+                question = f"What does `{module}.{node.name}` do?"
+                examples.append(
+                    [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+                )
+                if max_examples is not None and len(examples) >= max_examples:
+                    return examples
+    return examples
+
+
+def render(messages: Messages) -> tuple[str, list[tuple[int, int]]]:
+    """The chat-template text (equal to `CHAT_TEMPLATE`'s output) and the character spans that carry loss."""
+    text, spans = "", []
+    for turn in messages:
+        text += f"<|{turn['role']}|>\n"
+        start = len(text)
+        text += turn["content"] + END_OF_TURN
+        if turn["role"] == "assistant":
+            spans.append((start, len(text)))
+        text += "\n"
+    return text, spans
+
+
+def encode_example(tokenizer: Tokenizer, messages: Messages) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and a 0/1 loss mask: 1 on assistant contents and their end-of-turn marker."""
+    text, spans = render(messages)
+    encoding = tokenizer.encode(text)
+    starts = np.array([start for start, _ in encoding.offsets], dtype=np.int64)
+    mask = np.zeros(len(starts), dtype=np.uint8)
+    for lo, hi in spans:
+        mask[(starts >= lo) & (starts < hi)] = 1
+    return np.array(encoding.ids, dtype=np.int32), mask
+
+
+class SFTManifest(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    version: int
+    path: str
+    tokenizer_digest: str
+    pad_id: int
+    seq_len: int
+    counts: dict[str, int]  # examples per split, plus dropped / truncated
+    config: dict[str, Any]
+
+    @classmethod
+    def load(cls, directory: str | Path) -> SFTManifest:
+        path = Path(directory) / MANIFEST
+        if not path.is_file():
+            raise DataError(f"{directory}: no {MANIFEST}; run `lmforge tokenize` to build the SFT examples")
+        return cls.model_validate_json(path.read_text())
+
+
+def _write_split(path: Path, encoded: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    ids = pa.array([e[0] for e in encoded], type=pa.list_(pa.int32()))
+    mask = pa.array([e[1] for e in encoded], type=pa.list_(pa.uint8()))
+    sink = pa.BufferOutputStream()
+    batch = pa.record_batch([ids, mask], names=["input_ids", "loss_mask"])
+    with pa.ipc.new_file(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())
+
+
+def run_sft_data(cfg: SFTConfig, tok: TokenizerRef, seq_len: int, root: str | Path) -> SFTManifest:
+    """Stage: encode SFT examples into `<root>/sft_data/sft-<hash>/{train,heldout}.arrow` (+ heldout.jsonl)."""
+    if cfg.source == "builtin":
+        examples = builtin_sft_examples(cfg.max_examples)
+    else:
+        examples = read_sft_jsonl(Path(cfg.source))[: cfg.max_examples]
+    key = {
+        "version": SFT_FORMAT_VERSION,
+        "config": cfg.model_dump(mode="json", exclude={"source"}),
+        "examples": digest_of(examples),
+        "tokenizer": tok.digest,
+        "seq_len": seq_len,
+    }
+    out = stage_dir(root, "sft_data", "sft", key)
+    if (out / MANIFEST).is_file():
+        return SFTManifest.load(out)
+    tokenizer = tok.load()
+    splits: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "heldout": []}
+    heldout_messages: list[Messages] = []
+    counts = {"dropped_too_long": 0, "truncated": 0}
+    for messages in examples:
+        ids, mask = encode_example(tokenizer, messages)
+        if len(ids) > seq_len + 1:
+            if cfg.overflow == "drop" or not mask[: seq_len + 1][1:].any():
+                counts["dropped_too_long"] += 1
+                continue
+            ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
+            counts["truncated"] += 1
+        split = (
+            "heldout"
+            if split_of(json.dumps(messages, sort_keys=True), cfg.heldout_fraction) == "val"
+            else "train"
+        )
+        splits[split].append((ids, mask))
+        if split == "heldout":
+            heldout_messages.append(messages)
+    if not splits["train"] or not splits["heldout"]:
+        raise DataError(
+            f"SFT source {cfg.source!r}: too few examples for a train and a held-out split ({counts})"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    for split, encoded in splits.items():
+        _write_split(out / f"{split}.arrow", encoded)
+    lines = "".join(json.dumps({"messages": m}) + "\n" for m in heldout_messages)
+    atomic_write_bytes(out / "heldout.jsonl", lines.encode())
+    manifest = SFTManifest(
+        version=SFT_FORMAT_VERSION,
+        path=str(out.resolve()),
+        tokenizer_digest=tok.digest,
+        pad_id=tok.pad_id,
+        seq_len=seq_len,
+        counts={**counts, **{split: len(encoded) for split, encoded in splits.items()}},
+        config=cfg.model_dump(mode="json"),
+    )
+    atomic_write_json(out / MANIFEST, manifest.model_dump(mode="json"))
+    return manifest
+
+
+@dataclass
+class SFTBatch:
+    inputs: Tensor  # (B, T) int64, padded with the pad id
+    targets: Tensor  # (B, T) int64, IGNORE_INDEX where the loss mask is 0 or on padding
+
+
+class SFTLoader:
+    """Padded SFT batches with the same deterministic, rank-sharded, resumable order as the pretraining loader."""
+
+    def __init__(
+        self,
+        manifest: SFTManifest,
+        split: str = "train",
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        tokenizer_digest: str | None = None,
+    ) -> None:
+        if tokenizer_digest is not None and tokenizer_digest != manifest.tokenizer_digest:
+            raise DataError(
+                f"SFT data {manifest.path} was made with tokenizer {manifest.tokenizer_digest[:16]}..., the base model "
+                f"uses {tokenizer_digest[:16]}...; rebuild the SFT data with the base model's tokenizer"
+            )
+        path = Path(manifest.path) / f"{split}.arrow"
+        batch = pa.ipc.open_file(pa.memory_map(str(path), "r")).get_batch(0)
+        self.ids, self.mask = batch.column("input_ids"), batch.column("loss_mask")
+        self.seq_len, self.pad_id = manifest.seq_len, manifest.pad_id
+        self.sampler = EpochSampler(len(self.ids), batch_size, rank, world_size, seed, shuffle)
+
+    def batch_of(self, indices: np.ndarray) -> SFTBatch:
+        inputs = torch.full((len(indices), self.seq_len), self.pad_id, dtype=torch.int64)
+        targets = torch.full((len(indices), self.seq_len), IGNORE_INDEX, dtype=torch.int64)
+        for row, index in enumerate(indices):
+            ids = torch.from_numpy(self.ids[int(index)].values.to_numpy().astype(np.int64))
+            keep = torch.from_numpy(self.mask[int(index)].values.to_numpy().astype(bool))
+            n = len(ids) - 1
+            inputs[row, :n] = ids[:-1]
+            targets[row, :n] = torch.where(keep[1:], ids[1:], IGNORE_INDEX)
+        return SFTBatch(inputs, targets)
+
+    def next_batch(self) -> SFTBatch:
+        return self.batch_of(self.sampler.next_indices())
+
+    def __iter__(self) -> Iterator[SFTBatch]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
