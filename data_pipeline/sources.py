@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import re
 import sysconfig
 from collections.abc import Iterator
@@ -81,7 +82,12 @@ def stdlib_root() -> Path:
 def stdlib_files() -> list[Path]:
     """The standard library's own `.py` sources, sorted (no tests, no site-packages, no build config)."""
     root = stdlib_root()
-    return sorted(p for p in root.rglob("*.py") if not _STDLIB_SKIP.search(p.relative_to(root).as_posix()))
+    found = []
+    for directory, subdirs, files in os.walk(root):
+        rel = Path(directory).relative_to(root).as_posix()
+        subdirs[:] = [d for d in subdirs if not _STDLIB_SKIP.search(f"{rel}/{d}/")]  # prune whole trees
+        found += [Path(directory, f) for f in files if f.endswith(".py") and not _STDLIB_SKIP.search(f"{rel}/{f}")]
+    return sorted(found)
 
 
 def _open_bytes(path: Path) -> bytes:
