@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
+	$(VENV)/bin/lmforge tokenize demo
 	$(VENV)/bin/lmforge model summary demo
 
 test: install

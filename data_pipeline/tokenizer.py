@@ -101,7 +101,7 @@ def describe(path: Path) -> TokenizerRef:
             f"{file}: lacks special tokens {missing}; lmforge needs {EOS} and {PAD} in the vocabulary"
         )
     return TokenizerRef(
-        path=str(file.parent),
+        path=str(file.parent.resolve()),
         digest=file_digest(file),
         vocab_size=tokenizer.get_vocab_size(),
         eos_id=tokenizer.token_to_id(EOS),

@@ -70,3 +70,23 @@ def test_console_script_is_installed() -> None:
     result = subprocess.run([str(exe), "model", "summary", "smoke", "--json"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["recipe"] == "smoke"
+
+
+@pytest.mark.slow
+def test_tokenize_then_inspect(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    overrides = ["data.max_documents=30", "data.num_workers=1", "data.sft.max_examples=200", f"output_dir={tmp_path}"]
+    argv = ["tokenize", "smoke"] + [item for o in overrides for item in ("--set", o)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "tokens in" in out and "sft" in out
+    dataset = next((tmp_path / "tokenize").iterdir())
+    assert main(["data", "inspect", str(dataset), "--samples", "1"]) == 0
+    shown = capsys.readouterr().out
+    assert "verified by sha256" in shown and "--- document 0" in shown and "tokens #" in shown
+    assert main(argv) == 0  # a rerun finds everything done
+
+
+def test_inspect_of_a_partial_dataset_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "train-00000.arrow").write_bytes(b"")
+    assert main(["data", "inspect", str(tmp_path)]) == 2
+    assert "interrupted run" in capsys.readouterr().err

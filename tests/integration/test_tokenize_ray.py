@@ -1,0 +1,27 @@
+"""Tokenization on Ray tasks (a real local Ray cluster) writes the same shards as worker processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from data_pipeline.config import DataConfig
+from data_pipeline.shards import DatasetManifest
+from data_pipeline.tokenize import run_tokenize
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_ray_backend_matches_processes(
+    small_data_cfg: DataConfig, tokenized: tuple[DatasetManifest, Path], tmp_path: Path
+) -> None:
+    import ray
+
+    manifest, _ = tokenized
+    try:
+        on_ray = run_tokenize(small_data_cfg.model_copy(update={"backend": "ray", "num_workers": 2}), tmp_path)
+    finally:
+        ray.shutdown()
+    digests = {s: [i.sha256 for i in info.shards] for s, info in on_ray.splits.items()}
+    assert digests == {s: [i.sha256 for i in info.shards] for s, info in manifest.splits.items()}
