@@ -33,7 +33,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         manifest = run_tokenize(recipe.data, root)
         loader = PackedLoader(
-            manifest, seq_len=recipe.train.seq_len, batch_size=recipe.train.micro_batch_size, seed=recipe.train.seed
+            manifest,
+            seq_len=recipe.train.seq_len,
+            batch_size=recipe.train.micro_batch_size,
+            seed=recipe.train.seed,
         )
         loader.next_batch()  # first touch of the memory map
         started = time.perf_counter()

@@ -86,7 +86,9 @@ def stdlib_files() -> list[Path]:
     for directory, subdirs, files in os.walk(root):
         rel = Path(directory).relative_to(root).as_posix()
         subdirs[:] = [d for d in subdirs if not _STDLIB_SKIP.search(f"{rel}/{d}/")]  # prune whole trees
-        found += [Path(directory, f) for f in files if f.endswith(".py") and not _STDLIB_SKIP.search(f"{rel}/{f}")]
+        found += [
+            Path(directory, f) for f in files if f.endswith(".py") and not _STDLIB_SKIP.search(f"{rel}/{f}")
+        ]
     return sorted(found)
 
 

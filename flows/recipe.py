@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from data_pipeline.config import DataConfig
+from infra.tracking import TrackingConfig
 from training.config import OptimConfig, ParallelConfig, TrainConfig
 from training.model import ModelConfig
 
@@ -39,6 +40,7 @@ class Recipe(BaseModel):
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _check_across_slices(self) -> Recipe:

@@ -6,7 +6,7 @@ and checks the rules that span slices. Components receive only their own slice.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -54,6 +54,9 @@ class ParallelConfig(BaseModel):
     ep_size: PositiveInt = 1
     activation_checkpointing: bool = False
     threads_per_worker: PositiveInt | None = None  # None: cores // workers, at least 1
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict
+    )  # extra keys merged into the generated DeepSpeed config
 
     @model_validator(mode="after")
     def _check_ep(self) -> ParallelConfig:
@@ -78,6 +81,7 @@ class TrainConfig(BaseModel):
     eval_batches: PositiveInt = 8
     checkpoint_every: PositiveInt = 50
     keep_checkpoints: PositiveInt = 2
+    max_bad_steps: PositiveInt = 5  # consecutive non-finite losses before the run stops
     seed: NonNegativeInt = 0
 
     def grad_accum_steps(self, world_size: int) -> int:

@@ -213,7 +213,7 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp: FeedForward | MoE
+        self.mlp: nn.Module
         if cfg.moe is not None and cfg.moe.is_moe_layer(layer):
             self.mlp = MoE(cfg.d_model, cfg.moe)
         else:
@@ -223,10 +223,10 @@ class TransformerBlock(nn.Module):
         self, x: Tensor, rope: tuple[Tensor, Tensor], cache: LayerKVCache | None = None
     ) -> tuple[Tensor, RouterStats | None]:
         h = x + self.self_attn(self.input_layernorm(x), rope, cache)
-        if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(self.post_attention_layernorm(h))
-            return h + y, stats
-        return h + self.mlp(self.post_attention_layernorm(h)), None
+        if isinstance(self.mlp, FeedForward):
+            return h + self.mlp(self.post_attention_layernorm(h)), None
+        y, stats = self.mlp(self.post_attention_layernorm(h))  # MoE, or its expert-parallel stand-in
+        return h + y, stats
 
 
 class Decoder(nn.Module):

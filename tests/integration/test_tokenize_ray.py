@@ -20,7 +20,9 @@ def test_ray_backend_matches_processes(
 
     manifest, _ = tokenized
     try:
-        on_ray = run_tokenize(small_data_cfg.model_copy(update={"backend": "ray", "num_workers": 2}), tmp_path)
+        on_ray = run_tokenize(
+            small_data_cfg.model_copy(update={"backend": "ray", "num_workers": 2}), tmp_path
+        )
     finally:
         ray.shutdown()
     digests = {s: [i.sha256 for i in info.shards] for s, info in on_ray.splits.items()}

@@ -74,7 +74,12 @@ def test_console_script_is_installed() -> None:
 
 @pytest.mark.slow
 def test_tokenize_then_inspect(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    overrides = ["data.max_documents=30", "data.num_workers=1", "data.sft.max_examples=200", f"output_dir={tmp_path}"]
+    overrides = [
+        "data.max_documents=30",
+        "data.num_workers=1",
+        "data.sft.max_examples=200",
+        f"output_dir={tmp_path}",
+    ]
     argv = ["tokenize", "smoke"] + [item for o in overrides for item in ("--set", o)]
     assert main(argv) == 0
     out = capsys.readouterr().out

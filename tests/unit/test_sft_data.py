@@ -39,7 +39,10 @@ def tok(tokenized: tuple[DatasetManifest, Path]) -> TokenizerRef:
 def test_mask_covers_exactly_the_assistant_turns(tok: TokenizerRef) -> None:
     tokenizer = tok.load()
     ids, mask = encode_example(tokenizer, CONVERSATION)
-    assert tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == "Four.<|end|> Six, of course.<|end|>"
+    assert (
+        tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
+        == "Four.<|end|> Six, of course.<|end|>"
+    )
     assert "What is" in tokenizer.decode(ids[mask == 0].tolist())
 
 
@@ -91,7 +94,9 @@ def write_jsonl(path: Path, n: int, long_every: int = 0) -> Path:
 
 
 @pytest.mark.parametrize("overflow", ["drop", "truncate"])
-def test_long_examples_are_dropped_or_truncated_and_counted(tok: TokenizerRef, tmp_path: Path, overflow: str) -> None:
+def test_long_examples_are_dropped_or_truncated_and_counted(
+    tok: TokenizerRef, tmp_path: Path, overflow: str
+) -> None:
     source = write_jsonl(tmp_path / "sft.jsonl", 60, long_every=5)
     cfg = SFTConfig(source=str(source), heldout_fraction=0.2, overflow=overflow)
     manifest = run_sft_data(cfg, tok, seq_len=64, root=tmp_path / "out")

@@ -1,0 +1,111 @@
+"""MLflow: the tracking configuration, the default embedded store, and the `Tracker` implementation.
+
+Default: `sqlite:///<output_dir>/mlflow.db` with artifacts under `<output_dir>/mlartifacts` (MLflow 3 refuses
+the old `./mlruns` file store). Only rank 0 logs. A run is created by the driver and continued by id, so a
+resumed training run keeps logging into the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from training.tracking import NullTracker, Tracker, flatten
+
+log = logging.getLogger(__name__)
+
+
+class TrackingConfig(BaseModel):
+    """Where runs are recorded; `uri: null` means the embedded sqlite store under the output directory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = True
+    uri: str | None = None
+    experiment: str = "lmforge"
+
+
+def tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
+    return cfg.uri or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+
+
+def _experiment_id(cfg: TrackingConfig, output_dir: str | Path) -> str:
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(cfg, output_dir))
+    experiment = mlflow.get_experiment_by_name(cfg.experiment)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = (Path(output_dir).resolve() / "mlartifacts").as_uri() if cfg.uri is None else None
+    return mlflow.create_experiment(cfg.experiment, artifact_location=location)
+
+
+def start_run(
+    cfg: TrackingConfig, output_dir: str | Path, run_name: str, run_id: str | None, tags: dict[str, str]
+) -> str | None:
+    """Create (or find again) the MLflow run for a stage; returns its id, or None when tracking is off."""
+    if not cfg.enabled:
+        return None
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri(cfg, output_dir))
+    if run_id is not None:
+        return run_id
+    run = client.create_run(_experiment_id(cfg, output_dir), run_name=run_name, tags=tags)
+    return run.info.run_id
+
+
+class MLflowTracker:
+    """Logs to one existing MLflow run by id (rank 0 of a training job)."""
+
+    def __init__(self, uri: str, run_id: str) -> None:
+        import mlflow
+
+        self.client = mlflow.MlflowClient(uri)
+        self.run_id = run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        existing = self.client.get_run(self.run_id).data.params
+        fresh = [Param(k, str(v)[:6000]) for k, v in flatten(params).items() if k not in existing]
+        for start in range(0, len(fresh), 100):
+            self.client.log_batch(self.run_id, params=fresh[start : start + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]
+        )
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if Path(path).is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def close(self) -> None:
+        pass
+
+
+def make_tracker(cfg: TrackingConfig, output_dir: str | Path, run_id: str | None, rank: int) -> Tracker:
+    if rank != 0 or run_id is None or not cfg.enabled:
+        return NullTracker()
+    return MLflowTracker(tracking_uri(cfg, output_dir), run_id)
+
+
+def finish_run(
+    cfg: TrackingConfig, output_dir: str | Path, run_id: str | None, status: str = "FINISHED"
+) -> None:
+    if run_id is None or not cfg.enabled:
+        return
+    import mlflow
+
+    mlflow.MlflowClient(tracking_uri(cfg, output_dir)).set_terminated(run_id, status=status)

@@ -1,0 +1,103 @@
+"""Checkpoint directories that a crash can never leave half-valid.
+
+`<run>/checkpoints/step-00000050/` holds DeepSpeed's files (module, optimizer, step counters), one
+`rank-<r>.pt` per rank (python/numpy/torch RNG states and the data loader's position) and `meta.json`
+(step, config digest, MLflow run id, loop counters). Everything is written into `.tmp-step-...`, renamed into
+place, and only then is the `COMPLETE` marker written: a directory without it is never loaded and is deleted
+on the next save. The newest complete checkpoint is the resume point; older ones beyond `keep` are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from infra.storage import atomic_write_json
+
+COMPLETE = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    return root / f".tmp-step-{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete checkpoint, oldest first."""
+    found = []
+    for path in root.glob("step-*") if root.is_dir() else []:
+        match = _STEP_DIR.match(path.name)
+        if match and (path / COMPLETE).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    checkpoints = complete_checkpoints(root)
+    return checkpoints[-1][1] if checkpoints else None
+
+
+def prepare_staging(root: Path, step: int) -> Path:
+    """Rank 0, before any rank writes: an empty staging directory for `step`."""
+    staging = staging_dir(root, step)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def commit(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
+    """Rank 0, after every rank wrote into the staging directory: rename into place, mark complete, prune."""
+    staging, final = staging_dir(root, step), step_dir(root, step)
+    atomic_write_json(staging / "meta.json", meta)
+    if final.exists():  # an incomplete leftover of a crashed save of the same step
+        shutil.rmtree(final)
+    staging.rename(final)
+    atomic_write_json(final / COMPLETE, {"step": step})
+    for _, old in complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(old)
+    for leftover in root.iterdir():
+        is_incomplete = _STEP_DIR.match(leftover.name) and not (leftover / COMPLETE).is_file()
+        if leftover.is_dir() and (
+            is_incomplete or (leftover.name.startswith(".tmp-") and leftover != staging)
+        ):
+            shutil.rmtree(leftover)
+    return final
+
+
+def read_meta(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / "meta.json").read_text())
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_rank_state(staging: Path, rank: int, loader_state: dict[str, Any]) -> None:
+    torch.save({"rng": rng_state(), "loader": loader_state}, staging / f"rank-{rank}.pt")
+
+
+def load_rank_state(checkpoint: Path, rank: int) -> dict[str, Any]:
+    path = checkpoint / f"rank-{rank}.pt"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: this checkpoint was written by fewer ranks; resume with the same number of workers"
+        )
+    return torch.load(path, weights_only=False)

@@ -1,0 +1,74 @@
+"""Hugging Face export, verified when written: safetensors + config.json + tokenizer files.
+
+The export is loaded back with `AutoModelForCausalLM.from_pretrained` and its logits on a fixed probe batch are
+compared with our model's; the maximum absolute difference is recorded in `export.json`, and an export above the
+tolerance is marked invalid (and must never be registered).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from infra.storage import atomic_write_json
+from training.hf_interop import build_hf_model, to_hf_state_dict
+from training.model import ModelConfig, Transformer
+
+TOLERANCE = 1e-4  # fp32 logits; the parity tests see ~1e-7
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def probe_tokens(cfg: ModelConfig, seed: int = 0) -> Tensor:
+    length = min(32, cfg.max_seq_len)
+    return torch.randint(0, cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+def export_hf(
+    state_dict: dict[str, Tensor], cfg: ModelConfig, tokenizer_dir: str | Path | None, out: Path
+) -> dict:
+    """Write a Hugging Face model directory from our fp32 state dict and verify it; returns the verification."""
+    from transformers import AutoModelForCausalLM
+
+    staging = out.with_name(out.name + ".tmp")
+    if staging.exists():
+        shutil.rmtree(staging)
+    hf_model = build_hf_model(cfg)
+    hf_model.load_state_dict(to_hf_state_dict(state_dict), strict=True)
+    hf_model.save_pretrained(str(staging), safe_serialization=True)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy(Path(tokenizer_dir) / name, staging / name)
+
+    ours = Transformer(cfg, seed=None)
+    ours.load_state_dict(state_dict, strict=True)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(staging), dtype=torch.float32, attn_implementation="eager"
+    )
+    tokens = probe_tokens(cfg)
+    with torch.no_grad():
+        difference = float((ours.eval()(tokens).logits - loaded.eval()(tokens).logits).abs().max())
+    verification = {
+        "max_abs_logit_diff": difference,
+        "tolerance": TOLERANCE,
+        "valid": difference <= TOLERANCE,
+        "architecture": type(loaded).__name__,
+    }
+    atomic_write_json(staging / "export.json", verification)
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    return verification
+
+
+def read_verification(export_dir: str | Path) -> dict:
+    return json.loads((Path(export_dir) / "export.json").read_text())

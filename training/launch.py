@@ -1,0 +1,55 @@
+"""Launch N training workers with Ray Train (`TorchTrainer`): gloo CPU workers here, NCCL GPU workers on a cluster.
+The only module that imports `ray.train`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def run_workers(
+    worker: Callable[[dict[str, Any]], None],
+    spec: dict[str, Any],
+    workers: int,
+    use_gpu: bool,
+    storage: Path,
+    name: str,
+    max_failures: int = 0,
+) -> None:
+    """Run `worker(spec)` on `workers` Ray Train workers (one process group) and wait for them.
+
+    Without a running cluster (`RAY_ADDRESS` unset) a local one is started with enough logical CPUs. Worker
+    failures restart all workers up to `max_failures` times; they resume from the newest complete checkpoint.
+    """
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            ray.init(
+                num_cpus=max(workers + 1, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True
+            )
+    scaling = ScalingConfig(
+        num_workers=workers, use_gpu=use_gpu, resources_per_worker=None if use_gpu else {"CPU": 1}
+    )
+    trainer = TorchTrainer(
+        worker,
+        train_loop_config=spec,
+        scaling_config=scaling,
+        run_config=RunConfig(
+            storage_path=str(storage.resolve()),
+            name=name,
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
+    log.info("launching %d Ray Train workers (gpu=%s)", workers, use_gpu)
+    trainer.fit()

@@ -1,0 +1,247 @@
+"""The training loop shared by pretraining and SFT: they differ only in the batches they feed it.
+
+Each optimiser step runs `gradient_accumulation_steps` micro-batches through the DeepSpeed engine. A micro-batch
+whose loss is not finite on any rank is not back-propagated (a zero loss keeps the ranks' collectives in step)
+and the step is taken at learning rate 0, so weights stay bit-identical; such steps are counted, and the run
+stops after `max_bad_steps` in a row. (Adam's moments still decay once on a skipped step.) A non-finite
+gradient norm after a step cannot be undone and stops the run at once.
+Phases: eval, step, log, checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from training import checkpoint as ckpt
+from training.config import OptimConfig, TrainConfig
+from training.moe import RouterStats
+from training.optim import lr_at
+from training.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+class TrainingHalted(RuntimeError):
+    """The run cannot continue (non-finite losses or gradients); the message says what and where to resume."""
+
+
+class Batches(Protocol):
+    def next_batch(self) -> Any: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class LoopState:
+    """Counters that must survive a resume (saved in each checkpoint's meta.json)."""
+
+    step: int = 0
+    tokens: int = 0
+    skipped_steps: int = 0
+    consecutive_bad: int = 0
+
+
+@dataclass(frozen=True)
+class LoopSetup:
+    """Everything the loop needs besides the engine and data."""
+
+    run_dir: Path
+    rank: int
+    world_size: int
+    flops_per_token: int
+    peak_flops: float  # per device
+    meta: dict[str, Any]  # written into every checkpoint (config digest, MLflow run id, ...)
+    progress: Callable[[int, float, float], None] | None = None  # (step, loss, tokens/s), rank 0
+
+
+def as_tensors(batch: Any) -> tuple[Tensor, Tensor]:
+    """(inputs, targets) from a pretraining tuple or an SFT batch."""
+    return (batch.inputs, batch.targets) if hasattr(batch, "inputs") else batch
+
+
+def all_reduce_mean(value: Tensor) -> Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value
+
+
+def zero_loss(module: torch.nn.Module) -> Tensor:
+    """A loss of exactly 0 that reaches every parameter, so backward hooks fire as on a real micro-batch."""
+    return sum(p.sum() * 0.0 for p in module.parameters() if p.requires_grad)
+
+
+def router_metrics(stats: list[RouterStats]) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for layer, s in enumerate(stats):
+        counts = s.tokens_per_expert.float()
+        metrics[f"moe/layer{layer}/load_cv"] = float(counts.std() / counts.mean().clamp_min(1e-9))
+        metrics[f"moe/layer{layer}/max_expert_fraction"] = float(counts.max() / counts.sum().clamp_min(1))
+        metrics[f"moe/layer{layer}/aux_loss"] = float(s.aux_loss)
+        metrics[f"moe/layer{layer}/z_loss"] = float(s.z_loss)
+    return metrics
+
+
+@torch.no_grad()
+def evaluate(engine: Any, batches: Iterator[Any], device: torch.device) -> float:
+    """Mean cross-entropy over `batches`, averaged over ranks."""
+    engine.eval()
+    total, count = torch.zeros((), device=device), 0
+    for batch in batches:
+        inputs, targets = (t.to(device) for t in as_tensors(batch))
+        total += engine(inputs, targets=targets).ce_loss.float()
+        count += 1
+    engine.train()
+    return float(all_reduce_mean(total / max(count, 1)))
+
+
+def set_lr(engine: Any, lr: float) -> None:
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+
+
+def train_loop(
+    engine: Any,
+    train: Batches,
+    val: Callable[[], Iterator[Any]] | None,
+    cfg: TrainConfig,
+    optim: OptimConfig,
+    setup: LoopSetup,
+    tracker: Tracker,
+    state: LoopState,
+) -> LoopState:
+    """Run optimiser steps from `state.step` to `cfg.max_steps`; checkpoints land in `<run_dir>/checkpoints`."""
+    device = next(engine.module.parameters()).device
+    accumulation = engine.gradient_accumulation_steps()
+    tokens_per_step = cfg.global_batch_size * cfg.seq_len
+    metrics_file = setup.run_dir / "metrics.jsonl"
+    checkpoints = setup.run_dir / "checkpoints"
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        if setup.rank == 0:
+            tracker.log_metrics(metrics, step)
+            with metrics_file.open("a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    while state.step < cfg.max_steps:
+        # --- eval
+        if val is not None and state.step % cfg.eval_every == 0:
+            log({"val/loss": evaluate(engine, val(), device)}, state.step)
+
+        # --- step
+        started = time.perf_counter()
+        lr = lr_at(state.step, optim, cfg.max_steps)
+        set_lr(engine, lr)
+        losses, bad = [], False
+        stats: list[RouterStats] = []
+        for micro in range(accumulation):
+            inputs, targets = (t.to(device) for t in as_tensors(train.next_batch()))
+            out = engine(inputs, targets=targets)
+            finite = all_reduce_mean(torch.isfinite(out.loss.detach()).float().to(device)) == 1.0
+            if finite:
+                engine.backward(out.loss)
+                losses.append(out.ce_loss.detach().float())
+                stats = out.router_stats
+            else:
+                bad = True
+                engine.backward(zero_loss(engine.module))
+            if micro == accumulation - 1 and bad:
+                set_lr(engine, 0.0)  # the step happens (ranks stay in lockstep) but moves no weight
+            engine.step()
+        state.step += 1
+        state.tokens += tokens_per_step
+        elapsed = time.perf_counter() - started
+
+        # --- log
+        if bad:
+            state.skipped_steps += 1
+            state.consecutive_bad += 1
+            log({"train/skipped_steps": state.skipped_steps}, state.step)
+            if state.consecutive_bad >= cfg.max_bad_steps:
+                raise TrainingHalted(
+                    f"{state.consecutive_bad} consecutive steps had a non-finite loss (last at step {state.step}); "
+                    f"lower optim.lr or check the data; the last good checkpoint is {ckpt.latest_checkpoint(checkpoints)}"
+                )
+        else:
+            state.consecutive_bad = 0
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+            if not torch.isfinite(torch.tensor(grad_norm)):
+                raise TrainingHalted(
+                    f"non-finite gradient norm at step {state.step}: the weights are no longer usable; resume from "
+                    f"{ckpt.latest_checkpoint(checkpoints)} with a lower optim.lr or a smaller optim.grad_clip"
+                )
+            loss = float(all_reduce_mean(torch.stack(losses).mean()))
+            tokens_per_s = tokens_per_step / elapsed
+            metrics = {
+                "train/loss": loss,
+                "train/lr": lr,
+                "train/grad_norm": grad_norm,
+                "perf/tokens_per_s": tokens_per_s,
+                "perf/mfu": setup.flops_per_token * tokens_per_s / (setup.peak_flops * setup.world_size),
+                "train/tokens": float(state.tokens),
+                **router_metrics(stats),
+            }
+            log(metrics, state.step)
+            if setup.progress is not None and setup.rank == 0:
+                setup.progress(state.step, loss, tokens_per_s)
+
+        # --- checkpoint
+        if state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps:
+            save_checkpoint(engine, train, setup, state, cfg.keep_checkpoints)
+
+    if val is not None:
+        log({"val/loss": evaluate(engine, val(), device)}, state.step)
+    return state
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_checkpoint(engine: Any, train: Batches, setup: LoopSetup, state: LoopState, keep: int) -> Path:
+    """All ranks write into a staging directory; rank 0 renames it into place and marks it complete."""
+    from training.parallel import save_engine
+
+    root = setup.run_dir / "checkpoints"
+    if setup.rank == 0:
+        ckpt.prepare_staging(root, state.step)
+    barrier()
+    staging = ckpt.staging_dir(root, state.step)
+    save_engine(engine, staging)
+    ckpt.save_rank_state(staging, setup.rank, train.state_dict())
+    barrier()
+    if setup.rank == 0:
+        ckpt.commit(root, state.step, {**setup.meta, "loop": asdict(state)}, keep)
+    barrier()
+    return ckpt.step_dir(root, state.step)
+
+
+def resume(engine: Any, train: Batches, setup: LoopSetup) -> LoopState:
+    """Load the newest complete checkpoint, if any: engine, RNG, loader position and loop counters."""
+    from training.parallel import load_engine
+
+    latest = ckpt.latest_checkpoint(setup.run_dir / "checkpoints")
+    if latest is None:
+        return LoopState()
+    load_engine(engine, latest)
+    rank_state = ckpt.load_rank_state(latest, setup.rank)
+    ckpt.set_rng_state(rank_state["rng"])
+    train.load_state_dict(rank_state["loader"])
+    state = LoopState(**ckpt.read_meta(latest)["loop"])
+    log.info("resumed from %s at step %d", latest, state.step)
+    return state

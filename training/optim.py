@@ -1,0 +1,53 @@
+"""Optimiser parameter groups and learning-rate schedules, as pure functions of the config.
+
+AdamW (Loshchilov & Hutter 2019) with decoupled weight decay on matrices only: no decay on norms, biases or the
+embedding. Muon (Jordan et al. 2024) is DeepSpeed's: it takes every matrix but the embedding and the head
+(DeepSpeed tags them itself) and runs AdamW on the rest, keeping these two groups' weight decay. Schedules: linear warmup, then cosine decay to
+`min_lr_ratio · lr` (Loshchilov & Hutter 2017), or warmup-stable-decay with a linear decay over the last
+`decay_fraction` of steps (Hu et al. 2024, MiniCPM).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from training.config import OptimConfig
+
+
+def no_decay(name: str, param: nn.Parameter) -> bool:
+    """Norm gains, biases and the token embedding are not weight-decayed."""
+    return param.ndim < 2 or "norm" in name or "embed_tokens" in name
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Two groups: weight-decayed matrices and everything else (no decay)."""
+    decay, plain = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (plain if no_decay(name, param) else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": plain, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Learning rate for optimiser step `step` (0-based) of `max_steps`."""
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return peak
+    if cfg.schedule == "cosine":
+        span = max(1, max_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+    decay_steps = max(1, round(cfg.decay_fraction * max_steps))  # WSD
+    decay_start = max_steps - decay_steps
+    if step < decay_start:
+        return peak
+    return peak + (floor - peak) * min(1.0, (step - decay_start + 1) / decay_steps)

@@ -1,0 +1,210 @@
+"""DeepSpeed inside one worker: accelerator choice, the generated DeepSpeed config, the engine, the expert-parallel
+MoE swap, and checkpoint I/O. The only module that imports `deepspeed`.
+
+References: Rajbhandari et al. 2020 (ZeRO); Rajbhandari et al. 2022 (DeepSpeed-MoE, expert parallelism).
+The accelerator is CUDA when present, else DeepSpeed's CPU accelerator over gloo.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from training.config import OptimConfig, ParallelConfig, TrainConfig
+from training.model import Transformer
+from training.moe import MoE, MoEConfig, RouterStats
+from training.optim import param_groups
+
+log = logging.getLogger(__name__)
+DS_TAG = "state"  # DeepSpeed's tag inside each of our checkpoint directories
+
+
+def accelerator() -> str:
+    """'cuda' when a GPU is visible, else 'cpu'; exported as DS_ACCELERATOR before deepspeed is imported."""
+    name = os.environ.get("DS_ACCELERATOR") or ("cuda" if torch.cuda.is_available() else "cpu")
+    os.environ["DS_ACCELERATOR"] = name
+    return name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed() -> None:
+    """Join the process group Ray Train set up, or start a one-process group on 127.0.0.1."""
+    backend = "nccl" if accelerator() == "cuda" else "gloo"
+    import deepspeed
+
+    if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+        )
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = (
+            deep_merge(merged[key], value)
+            if isinstance(value, dict) and isinstance(merged.get(key), dict)
+            else value
+        )
+    return merged
+
+
+def deepspeed_config(parallel: ParallelConfig, optim: OptimConfig, train: TrainConfig) -> dict[str, Any]:
+    """The DeepSpeed JSON for these slices; `parallel.deepspeed` keys are merged on top."""
+    config: dict[str, Any] = {
+        "train_batch_size": train.global_batch_size,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum_steps(parallel.world_size),
+        "gradient_clipping": optim.grad_clip,
+        "zero_optimization": {"stage": parallel.zero_stage},
+        "bf16": {"enabled": parallel.precision == "bf16"},
+        "fp16": {"enabled": parallel.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+    if optim.name == "muon":
+        config["optimizer"] = {
+            "type": "Muon",
+            "params": {
+                "lr": optim.lr,
+                "betas": list(optim.betas),
+                "eps": optim.eps,
+                "weight_decay": optim.weight_decay,
+            },
+        }
+    return deep_merge(config, parallel.deepspeed)
+
+
+class _ExpertFFN(nn.Module):
+    """One SwiGLU expert, the unit DeepSpeed's MoE layer replicates."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(d_model, 2 * d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+class ExpertParallelMoE(nn.Module):
+    """Our MoE interface over DeepSpeed's expert-parallel layer: dropless, top-k renormalised (k >= 2).
+
+    Each rank holds n_experts / ep_size experts; tokens travel to their experts by all-to-all. The load-balancing
+    loss is DeepSpeed's (E²/k · mean(f·P), equal to ours); there is no z-loss on this path.
+    """
+
+    def __init__(self, d_model: int, cfg: MoEConfig, ep_size: int) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+        self.layer = DeepSpeedMoE(
+            hidden_size=d_model,
+            expert=_ExpertFFN(d_model, cfg.d_ff_expert),
+            num_experts=cfg.n_experts,
+            ep_size=ep_size,
+            k=cfg.top_k,
+            drop_tokens=False,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )
+        self.n_experts = cfg.n_experts
+
+    def forward(self, x: Tensor) -> tuple[Tensor, RouterStats]:
+        y, aux, counts = self.layer(x)
+        return y, RouterStats(aux_loss=aux, z_loss=aux.new_zeros(()), tokens_per_expert=counts)
+
+    @torch.no_grad()
+    def load_from(self, ours: MoE) -> None:
+        """Copy the router and this rank's experts from one of our MoE layers (same weights, same outputs)."""
+        self.layer.deepspeed_moe.gate.wg.weight.copy_(ours.gate.weight)
+        experts = self.layer.deepspeed_moe.experts
+        first = experts.num_local_experts * _ep_rank(self.layer)
+        for local, expert in enumerate(experts.deepspeed_experts):
+            expert.gate_up_proj.weight.copy_(ours.experts.gate_up_proj[first + local])
+            expert.down_proj.weight.copy_(ours.experts.down_proj[first + local])
+
+
+def _ep_rank(layer: nn.Module) -> int:
+    from deepspeed.utils import groups
+
+    return groups._get_expert_parallel_rank(layer.expert_group_name)
+
+
+def swap_in_expert_parallel(model: Transformer, ep_size: int) -> None:
+    """Replace every MoE feed-forward by DeepSpeed's expert-parallel layer, keeping the weights."""
+    assert model.cfg.moe is not None
+    for block in model.model.layers:
+        if isinstance(block.mlp, MoE):
+            parallel = ExpertParallelMoE(model.cfg.d_model, model.cfg.moe, ep_size)
+            parallel.load_from(block.mlp)
+            block.mlp = parallel
+
+
+def build_engine(model: Transformer, optim: OptimConfig, parallel: ParallelConfig, train: TrainConfig) -> Any:
+    """deepspeed.initialize with our parameter groups; AdamW is torch's, Muon is DeepSpeed's."""
+    import deepspeed
+
+    if parallel.ep_size > 1:
+        swap_in_expert_parallel(model, parallel.ep_size)
+    groups = param_groups(model, optim)
+    config = deepspeed_config(parallel, optim, train)
+    if optim.name == "muon":
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=False)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def save_engine(engine: Any, directory: Path) -> None:
+    """All ranks: module, optimizer and step counters through DeepSpeed (without its `latest` pointer)."""
+    engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
+
+
+def load_engine(engine: Any, directory: Path) -> None:
+    path, _ = engine.load_checkpoint(str(directory), tag=DS_TAG, load_lr_scheduler_states=False)
+    if path is None:
+        raise FileNotFoundError(f"{directory}: DeepSpeed found no checkpoint to load")
+
+
+def fp32_state_dict(checkpoint: Path, tie_embeddings: bool) -> dict[str, Tensor]:
+    """fp32 weights, with our module's keys, from a checkpoint written by `save_engine` (no engine needed).
+
+    ZeRO 1-3 (and bf16 without ZeRO) keep fp32 master weights, which DeepSpeed's `zero_to_fp32` gathers; fp32
+    training without ZeRO stores the module itself in fp32.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if any((checkpoint / DS_TAG).glob("expp_rank_*")):
+        raise NotImplementedError(
+            "exporting expert-parallel (ep_size > 1) checkpoints is not supported yet; retrain with parallel.ep_size=1"
+        )
+    if any((checkpoint / DS_TAG).glob("*optim_states.pt")) and not _plain_fp32(checkpoint):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DS_TAG)
+    else:
+        state = torch.load(checkpoint / DS_TAG / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    state = {k: v.detach().float().clone() for k, v in state.items()}
+    if tie_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def _plain_fp32(checkpoint: Path) -> bool:
+    """True for fp32 training without ZeRO: the module file already holds the fp32 weights."""
+    module = torch.load(checkpoint / DS_TAG / "mp_rank_00_model_states.pt", weights_only=False, mmap=True)
+    dtypes = {v.dtype for v in module["module"].values()}
+    return dtypes == {torch.float32} and not any((checkpoint / DS_TAG).glob("*zero_pp_rank*"))
