@@ -113,6 +113,36 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    """Stage 2 from the command line: tokenize (cached), then pretrain with a progress bar."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from data_pipeline.tokenize import run_tokenize
+    from training.pretrain import run_pretrain
+
+    recipe = load_recipe(args.recipe, args.set)
+    data = run_tokenize(recipe.data, recipe.output_dir)
+    columns = (
+        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+        BarColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns) as progress:
+        task = progress.add_task("pretrain", total=recipe.train.max_steps, status="starting")
+
+        def report(step: int, loss: float, tokens_per_s: float) -> None:
+            progress.update(task, completed=step, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s")
+
+        ref = run_pretrain(recipe, data, workers=args.workers, progress=report)
+    print(f"run        {ref.run_dir}")
+    print(f"checkpoint {ref.checkpoint} (step {ref.step})")
+    print(f"val loss   {ref.final_val_loss}")
+    print(f"hf export  {ref.hf_export} (verified: {ref.export_valid}, max |Δlogit| {ref.max_abs_logit_diff})")
+    print(f"mlflow run {ref.mlflow_run_id}")
+    return 0
+
+
 def cmd_data_inspect(args: argparse.Namespace) -> int:
     """Print a dataset's manifest, a histogram of document lengths and a few decoded documents."""
     import numpy as np
@@ -190,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument("recipe", help="recipe path or name in configs/")
     add_set_argument(tokenize)
     tokenize.set_defaults(handler=cmd_tokenize)
+
+    pretrain = commands.add_parser("pretrain", help="stage 2: DeepSpeed pretraining (resumes automatically)")
+    pretrain.add_argument("recipe", help="recipe path or name in configs/")
+    pretrain.add_argument("--workers", type=int, help="Ray Train workers (default: parallel.world_size)")
+    add_set_argument(pretrain)
+    pretrain.set_defaults(handler=cmd_pretrain)
 
     data = commands.add_parser("data", help="inspect datasets").add_subparsers(dest="action", required=True)
     inspect = data.add_parser("inspect", help="manifest, token-length histogram and decoded samples")

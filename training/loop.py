@@ -84,14 +84,19 @@ def zero_loss(module: torch.nn.Module) -> Tensor:
     return sum(p.sum() * 0.0 for p in module.parameters() if p.requires_grad)
 
 
+def grad_norm_of(module: torch.nn.Module) -> float:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
+
+
 def router_metrics(stats: list[RouterStats]) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for layer, s in enumerate(stats):
         counts = s.tokens_per_expert.float()
         metrics[f"moe/layer{layer}/load_cv"] = float(counts.std() / counts.mean().clamp_min(1e-9))
         metrics[f"moe/layer{layer}/max_expert_fraction"] = float(counts.max() / counts.sum().clamp_min(1))
-        metrics[f"moe/layer{layer}/aux_loss"] = float(s.aux_loss)
-        metrics[f"moe/layer{layer}/z_loss"] = float(s.z_loss)
+        metrics[f"moe/layer{layer}/aux_loss"] = float(s.aux_loss.detach())
+        metrics[f"moe/layer{layer}/z_loss"] = float(s.z_loss.detach())
     return metrics
 
 
@@ -158,8 +163,10 @@ def train_loop(
             else:
                 bad = True
                 engine.backward(zero_loss(engine.module))
-            if micro == accumulation - 1 and bad:
-                set_lr(engine, 0.0)  # the step happens (ranks stay in lockstep) but moves no weight
+            if micro == accumulation - 1:
+                if bad:
+                    set_lr(engine, 0.0)  # the step happens (ranks stay in lockstep) but moves no weight
+                local_norm = grad_norm_of(engine.module)  # only where gradients live on the parameters
             engine.step()
         state.step += 1
         state.tokens += tokens_per_step
@@ -177,8 +184,10 @@ def train_loop(
                 )
         else:
             state.consecutive_bad = 0
-            grad_norm = engine.get_global_grad_norm()
-            grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+            grad_norm = (
+                engine.get_global_grad_norm()
+            )  # None without ZeRO in fp32: then p.grad is the full gradient
+            grad_norm = float(grad_norm if grad_norm is not None else local_norm)
             if not torch.isfinite(torch.tensor(grad_norm)):
                 raise TrainingHalted(
                     f"non-finite gradient norm at step {state.step}: the weights are no longer usable; resume from "

@@ -29,8 +29,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
             continue
         (plain if no_decay(name, param) else decay).append(param)
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": plain, "weight_decay": 0.0},
+        {"name": "decay", "params": decay, "weight_decay": cfg.weight_decay},
+        {"name": "no_decay", "params": plain, "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
 

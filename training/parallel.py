@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,7 @@ class ExpertParallelMoE(nn.Module):
             top2_2nd_expert_sampling=False,
         )
         self.n_experts = cfg.n_experts
+        self.ep_size = ep_size
 
     def forward(self, x: Tensor) -> tuple[Tensor, RouterStats]:
         y, aux, counts = self.layer(x)
@@ -132,16 +134,11 @@ class ExpertParallelMoE(nn.Module):
         """Copy the router and this rank's experts from one of our MoE layers (same weights, same outputs)."""
         self.layer.deepspeed_moe.gate.wg.weight.copy_(ours.gate.weight)
         experts = self.layer.deepspeed_moe.experts
-        first = experts.num_local_experts * _ep_rank(self.layer)
+        ep_rank = torch.distributed.get_rank() % self.ep_size  # DeepSpeed's expert groups: consecutive ranks
+        first = experts.num_local_experts * ep_rank
         for local, expert in enumerate(experts.deepspeed_experts):
             expert.gate_up_proj.weight.copy_(ours.experts.gate_up_proj[first + local])
             expert.down_proj.weight.copy_(ours.experts.down_proj[first + local])
-
-
-def _ep_rank(layer: nn.Module) -> int:
-    from deepspeed.utils import groups
-
-    return groups._get_expert_parallel_rank(layer.expert_group_name)
 
 
 def swap_in_expert_parallel(model: Transformer, ep_size: int) -> None:
@@ -161,6 +158,10 @@ def build_engine(model: Transformer, optim: OptimConfig, parallel: ParallelConfi
     if parallel.ep_size > 1:
         swap_in_expert_parallel(model, parallel.ep_size)
     groups = param_groups(model, optim)
+    if parallel.ep_size > 1:  # expert weights are reduced within their expert-data-parallel group only
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
     config = deepspeed_config(parallel, optim, train)
     if optim.name == "muon":
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
@@ -185,21 +186,52 @@ def fp32_state_dict(checkpoint: Path, tie_embeddings: bool) -> dict[str, Tensor]
     """fp32 weights, with our module's keys, from a checkpoint written by `save_engine` (no engine needed).
 
     ZeRO 1-3 (and bf16 without ZeRO) keep fp32 master weights, which DeepSpeed's `zero_to_fp32` gathers; fp32
-    training without ZeRO stores the module itself in fp32.
+    training without ZeRO stores the module itself in fp32; expert-parallel checkpoints are reassembled into
+    our stacked-expert layout.
     """
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    if any((checkpoint / DS_TAG).glob("expp_rank_*")):
-        raise NotImplementedError(
-            "exporting expert-parallel (ep_size > 1) checkpoints is not supported yet; retrain with parallel.ep_size=1"
-        )
-    if any((checkpoint / DS_TAG).glob("*optim_states.pt")) and not _plain_fp32(checkpoint):
+    if any((checkpoint / DS_TAG).glob("layer_*_expert_*_model_states.pt")):
+        state = _expert_parallel_state_dict(checkpoint / DS_TAG)
+    elif any((checkpoint / DS_TAG).glob("*optim_states.pt")) and not _plain_fp32(checkpoint):
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DS_TAG)
     else:
         state = torch.load(checkpoint / DS_TAG / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     state = {k: v.detach().float().clone() for k, v in state.items()}
     if tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+_DS_MOE = re.compile(r"^model\.layers\.(\d+)\.mlp\.layer\.deepspeed_moe\.")
+
+
+def _expert_parallel_state_dict(state_dir: Path) -> dict[str, Tensor]:
+    """Our MoE layout from DeepSpeed's expert-parallel files: router from the module file, one file per expert.
+
+    DeepSpeed's MoE checkpoints carry no fp32 master copy that `zero_to_fp32` can gather, so these are the
+    module's (training-precision) weights.
+    """
+    module = torch.load(state_dir / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    state = {k: v for k, v in module.items() if not _DS_MOE.match(k)}
+    experts: dict[int, dict[int, dict[str, Tensor]]] = {}
+    for key, value in module.items():
+        if match := _DS_MOE.match(key):
+            state[f"model.layers.{match.group(1)}.mlp.gate.weight"] = value
+    for path in state_dir.glob("layer_*_expert_*_model_states.pt"):
+        for key, value in torch.load(path, weights_only=False).items():
+            layer, rest = (
+                int(_DS_MOE.match(key).group(1)),
+                _DS_MOE.sub("", key),
+            )  # experts.deepspeed_experts.E.x.weight
+            _, _, expert, name, _ = rest.split(".")
+            experts.setdefault(layer, {}).setdefault(int(expert), {})[name] = value
+    for layer, by_expert in experts.items():
+        ordered = [by_expert[e] for e in sorted(by_expert)]
+        state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [e["gate_up_proj"] for e in ordered]
+        )
+        state[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([e["down_proj"] for e in ordered])
     return state
 
 
