@@ -120,7 +120,10 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     from data_pipeline.tokenize import run_tokenize
     from training.pretrain import run_pretrain
 
-    recipe = load_recipe(args.recipe, args.set)
+    workers = [f"parallel.world_size={args.workers}"] if args.workers else []
+    recipe = load_recipe(
+        args.recipe, [*args.set, *workers]
+    )  # validated with the worker count it will run with
     data = run_tokenize(recipe.data, recipe.output_dir)
     columns = (
         TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
@@ -134,7 +137,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         def report(step: int, loss: float, tokens_per_s: float) -> None:
             progress.update(task, completed=step, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s")
 
-        ref = run_pretrain(recipe, data, workers=args.workers, progress=report)
+        ref = run_pretrain(recipe, data, progress=report)
     print(f"run        {ref.run_dir}")
     print(f"checkpoint {ref.checkpoint} (step {ref.step})")
     print(f"val loss   {ref.final_val_loss}")

@@ -1,0 +1,51 @@
+"""Shared settings for pretraining tests: the committed corpus, the smoke recipe, subprocess launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "tests" / "assets" / "corpus" / "stdlib_docstrings.jsonl"
+GOLDEN = ROOT / "tests" / "assets" / "golden" / "smoke_losses.json"
+MOE = "model.moe={n_experts: 4, top_k: 2, d_ff_expert: 64}"
+
+
+def smoke_overrides(output_dir: Path, *extra: str) -> list[str]:
+    """The smoke recipe on the committed corpus (independent of the installed Python's stdlib)."""
+    return [
+        f"data.sources=[{CORPUS}]",
+        "data.num_workers=1",
+        "data.shard_tokens=50000",
+        "data.val_fraction=0.1",
+        "train.eval_every=10",
+        "train.eval_batches=2",
+        f"output_dir={output_dir}",
+        *extra,
+    ]
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run `lmforge` in a fresh process (its own Ray cluster and process group), with one thread per process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    exe = Path(sys.executable).with_name("lmforge")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def with_sets(overrides: list[str]) -> list[str]:
+    return [item for o in overrides for item in ("--set", o)]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """train/loss per step from metrics.jsonl; after a resume the re-run steps' last values win."""
+    result: dict[int, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "train/loss" in record:
+            result[record["step"]] = record["train/loss"]
+    return result

@@ -1,0 +1,53 @@
+"""Checkpoint directory protocol: only complete checkpoints count; debris of a crashed save is never selected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from training import checkpoint as ckpt
+
+
+def save(root: Path, step: int, keep: int = 2) -> Path:
+    staging = ckpt.prepare_staging(root, step)
+    (staging / "weights.bin").write_bytes(bytes([step]))
+    return ckpt.commit(root, step, {"step": step}, keep)
+
+
+def test_commit_renames_and_marks_complete(tmp_path: Path) -> None:
+    final = save(tmp_path, 10)
+    assert final.name == "step-00000010" and (final / ckpt.COMPLETE).is_file()
+    assert ckpt.read_meta(final) == {"step": 10}
+    assert ckpt.latest_checkpoint(tmp_path) == final
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_selected(tmp_path: Path) -> None:
+    good = save(tmp_path, 10)
+    # a crash before the rename leaves a staging directory; a crash after it, a directory without the marker
+    ckpt.prepare_staging(tmp_path, 20)
+    (ckpt.staging_dir(tmp_path, 20) / "weights.bin").write_bytes(b"partial")
+    incomplete = ckpt.step_dir(tmp_path, 30)
+    incomplete.mkdir()
+    (incomplete / "weights.bin").write_bytes(b"partial")
+    assert ckpt.latest_checkpoint(tmp_path) == good
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [10]
+    save(tmp_path, 20)  # the next save cleans the debris
+    assert not incomplete.exists() and not ckpt.staging_dir(tmp_path, 20).exists()
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [10, 20]
+
+
+def test_only_the_last_k_are_kept(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step, keep=2)
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [3, 4]
+
+
+def test_rng_round_trip() -> None:
+    import random
+
+    import torch
+
+    state = ckpt.rng_state()
+    a = (random.random(), torch.rand(3))
+    ckpt.set_rng_state(state)
+    b = (random.random(), torch.rand(3))
+    assert a[0] == b[0] and torch.equal(a[1], b[1])

@@ -1,0 +1,65 @@
+"""Learning-rate schedules (pure functions) and optimiser parameter groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.config import OptimConfig
+from training.model import ModelConfig, Transformer
+from training.moe import MoEConfig
+from training.optim import lr_at, param_groups
+
+STEPS = 100
+
+
+def schedule(**kw: object) -> list[float]:
+    cfg = OptimConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, **kw)
+    return [lr_at(step, cfg, STEPS) for step in range(STEPS)]
+
+
+def test_warmup_is_linear_to_the_peak() -> None:
+    lrs = schedule()
+    assert lrs[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
+
+
+def test_cosine_decays_monotonically_to_the_floor() -> None:
+    lrs = schedule(schedule="cosine")
+    assert lrs[10] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert lr_at(STEPS, OptimConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10), STEPS) == pytest.approx(0.1)
+    assert lrs[55] == pytest.approx(0.1 + 0.45 * (1 + 0.0), abs=0.02)  # half-way: mean of peak and floor
+
+
+def test_wsd_is_stable_then_decays_linearly() -> None:
+    lrs = schedule(schedule="wsd", decay_fraction=0.2)
+    assert lrs[10:80] == pytest.approx([1.0] * 70)
+    assert lrs[-1] == pytest.approx(0.1)
+    decay = lrs[80:]
+    steps = [a - b for a, b in zip(decay, decay[1:], strict=False)]
+    assert steps == pytest.approx([steps[0]] * len(steps))  # linear
+
+
+def test_constant_after_warmup() -> None:
+    assert schedule(schedule="constant")[10:] == pytest.approx([1.0] * 90)
+
+
+def test_no_weight_decay_on_norms_and_embeddings() -> None:
+    cfg = ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=2,
+        d_ff=64,
+        moe=MoEConfig(n_experts=2, top_k=1, d_ff_expert=16, first_k_dense=1),
+    )
+    model = Transformer(cfg)
+    groups = param_groups(model, OptimConfig(weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in groups[0]["params"]}
+    plain = {names[id(p)] for p in groups[1]["params"]}
+    assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
+    assert decayed | plain == set(names.values()) and not decayed & plain
+    assert "model.embed_tokens.weight" in plain and "model.norm.weight" in plain
+    assert "model.layers.0.self_attn.q_proj.weight" in decayed and "lm_head.weight" in decayed
+    assert "model.layers.1.mlp.experts.gate_up_proj" in decayed
