@@ -54,6 +54,11 @@ class Recipe(BaseModel):
                 f"parallel.ep_size={par.ep_size} must divide model.moe.n_experts={moe.n_experts} "
                 "(each rank holds n_experts/ep_size experts)"
             )
+        if moe is not None and par.ep_size > 1 and moe.top_k == 1:
+            raise ValueError(
+                "parallel.ep_size>1 runs DeepSpeed's MoE layer, whose top-1 gate does not renormalise the routing "
+                "weight (ours does); use model.moe.top_k>=2 or parallel.ep_size=1"
+            )
         per_step = train.micro_batch_size * par.world_size
         if train.global_batch_size % per_step:
             raise ValueError(

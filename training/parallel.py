@@ -104,8 +104,9 @@ class _ExpertFFN(nn.Module):
 class ExpertParallelMoE(nn.Module):
     """Our MoE interface over DeepSpeed's expert-parallel layer: dropless, top-k renormalised (k >= 2).
 
-    Each rank holds n_experts / ep_size experts; tokens travel to their experts by all-to-all. The load-balancing
-    loss is DeepSpeed's (E²/k · mean(f·P), equal to ours); there is no z-loss on this path.
+    Each rank holds n_experts / ep_size experts; tokens travel to their experts by all-to-all. Outputs equal
+    ours for the same weights (tested); the load-balancing loss is DeepSpeed's, which for top-2 counts only
+    first choices (GShard), and there is no z-loss on this path.
     """
 
     def __init__(self, d_model: int, cfg: MoEConfig, ep_size: int) -> None:
@@ -151,12 +152,23 @@ def swap_in_expert_parallel(model: Transformer, ep_size: int) -> None:
             block.mlp = parallel
 
 
+def checkpoint_activations(model: Transformer) -> None:
+    """Recompute each block's activations in backward instead of storing them (Chen et al. 2016)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.model.layers:
+        forward = block.forward
+        block.forward = lambda *args, _forward=forward: checkpoint(_forward, *args, use_reentrant=False)
+
+
 def build_engine(model: Transformer, optim: OptimConfig, parallel: ParallelConfig, train: TrainConfig) -> Any:
     """deepspeed.initialize with our parameter groups; AdamW is torch's, Muon is DeepSpeed's."""
     import deepspeed
 
     if parallel.ep_size > 1:
         swap_in_expert_parallel(model, parallel.ep_size)
+    if parallel.activation_checkpointing:
+        checkpoint_activations(model)
     groups = param_groups(model, optim)
     if parallel.ep_size > 1:  # expert weights are reduced within their expert-data-parallel group only
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer

@@ -167,3 +167,7 @@ def test_depth_dial_in_a_recipe_can_be_switched_off() -> None:
     explicit = ["model.depth=null", "model.d_model=64", "model.n_layers=2", "model.n_heads=2"]
     recipe = load_recipe("demo", [*explicit, "model.n_kv_heads=2", "model.d_ff=128"])
     assert recipe.model.d_model == 64
+
+
+def test_expert_parallel_needs_top_k_of_two_or_more() -> None:
+    assert "top-1 gate does not renormalise" in bad(["model.moe.top_k=1"], "moe-small")

@@ -1,0 +1,160 @@
+"""The DeepSpeed engine in this process (CPU accelerator, gloo, world size 1): expert-parallel MoE semantics,
+the non-finite-loss guard, activation checkpointing and the optimisers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline.loader import PackedLoader
+from data_pipeline.shards import DatasetManifest
+from flows.recipe import load_recipe
+from training.loop import LoopSetup, LoopState, TrainingHalted, train_loop
+from training.model import ModelOutput, Transformer
+from training.moe import MoE, MoEConfig
+from training.tracking import NullTracker
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group() -> None:
+    from training.parallel import init_distributed
+
+    init_distributed()
+
+
+def engine_for(model: Transformer, *overrides: str):
+    from training.parallel import build_engine
+
+    recipe = load_recipe("smoke", list(overrides))
+    return build_engine(model, recipe.optim, recipe.parallel, recipe.train), recipe
+
+
+def run_steps(
+    engine, recipe, manifest: DatasetManifest, run_dir: Path, steps: int, state: LoopState | None = None
+) -> LoopState:
+    loader = PackedLoader(manifest, seq_len=recipe.train.seq_len, batch_size=recipe.train.micro_batch_size)
+    for _ in range(state.step * engine.gradient_accumulation_steps() if state else 0):
+        loader.next_batch()
+    setup = LoopSetup(run_dir=run_dir, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
+    train = recipe.train.model_copy(
+        update={"max_steps": steps, "checkpoint_every": 10_000, "max_bad_steps": 3}
+    )
+    return train_loop(engine, loader, None, train, recipe.optim, setup, NullTracker(), state or LoopState())
+
+
+def test_deepspeed_expert_layer_matches_ours() -> None:
+    from training.parallel import ExpertParallelMoE
+
+    cfg = MoEConfig(n_experts=4, top_k=2, d_ff_expert=32)
+    ours = MoE(48, cfg)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0, 0.2, generator=generator)
+    theirs = ExpertParallelMoE(48, cfg, ep_size=1)
+    theirs.load_from(ours)
+    x = torch.randn(2, 24, 48, generator=generator)
+    (y_ours, stats_ours), (y_theirs, stats_theirs) = ours(x), theirs(x)
+    torch.testing.assert_close(y_theirs, y_ours, rtol=1e-5, atol=1e-6)
+    assert stats_theirs.tokens_per_expert.tolist() == stats_ours.tokens_per_expert.tolist()
+    # The balancing losses differ by design: DeepSpeed's top-2 gate counts first choices only (GShard).
+    assert torch.isfinite(stats_theirs.aux_loss)
+
+
+class NonFiniteAt(Transformer):
+    """The smoke model, except that forward passes listed in `poisoned` return a NaN loss."""
+
+    poisoned: set[int] = set()
+    calls = 0
+
+    def forward(self, tokens, targets=None, cache=None) -> ModelOutput:  # noqa: ANN001
+        out = super().forward(tokens, targets, cache)
+        NonFiniteAt.calls += 1
+        if targets is not None and NonFiniteAt.calls in NonFiniteAt.poisoned:
+            out.loss = out.loss * float("nan")
+        return out
+
+
+def snapshot(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def test_non_finite_loss_skips_the_step(tokenized: tuple[DatasetManifest, Path], tmp_path: Path) -> None:
+    manifest, _ = tokenized
+    recipe = load_recipe("smoke")
+    NonFiniteAt.calls, NonFiniteAt.poisoned = 0, {4}  # step 2's second micro-batch (2 micro-batches per step)
+    engine, recipe = engine_for(NonFiniteAt(recipe.model), "optim.warmup_steps=1")
+    state = run_steps(engine, recipe, manifest, tmp_path, steps=1)
+    before = snapshot(engine)
+    state = run_steps(engine, recipe, manifest, tmp_path, steps=2, state=state)
+    after_bad = snapshot(engine)
+    assert all(torch.equal(before[k], after_bad[k]) for k in before), (
+        "a step with a NaN loss moved the weights"
+    )
+    assert state.skipped_steps == 1
+    state = run_steps(engine, recipe, manifest, tmp_path, steps=3, state=state)
+    assert any(not torch.equal(after_bad[k], v) for k, v in snapshot(engine).items())
+    assert state.consecutive_bad == 0
+    logged = (tmp_path / "metrics.jsonl").read_text()
+    assert '"train/skipped_steps": 1' in logged
+
+
+def test_consecutive_non_finite_losses_halt_the_run(
+    tokenized: tuple[DatasetManifest, Path], tmp_path: Path
+) -> None:
+    manifest, _ = tokenized
+    recipe = load_recipe("smoke")
+    NonFiniteAt.calls, NonFiniteAt.poisoned = 0, set(range(1, 100))
+    engine, recipe = engine_for(NonFiniteAt(recipe.model))
+    with pytest.raises(TrainingHalted, match="3 consecutive steps had a non-finite loss"):
+        run_steps(engine, recipe, manifest, tmp_path, steps=10)
+
+
+def losses_of(tmp_path: Path) -> list[float]:
+    import json
+
+    return [json.loads(line)["train/loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(
+    tokenized: tuple[DatasetManifest, Path], tmp_path: Path
+) -> None:
+    manifest, _ = tokenized
+    recipe = load_recipe("smoke")
+    for name, flag in (("plain", "false"), ("ckpt", "true")):
+        engine, r = engine_for(Transformer(recipe.model), f"parallel.activation_checkpointing={flag}")
+        (tmp_path / name).mkdir()
+        run_steps(engine, r, manifest, tmp_path / name, steps=3)
+    assert losses_of(tmp_path / "ckpt") == pytest.approx(losses_of(tmp_path / "plain"), rel=1e-6)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_muon_trains(tokenized: tuple[DatasetManifest, Path], tmp_path: Path, zero_stage: int) -> None:
+    manifest, _ = tokenized
+    recipe = load_recipe("smoke")
+    engine, r = engine_for(
+        Transformer(recipe.model), "optim.name=muon", "optim.lr=0.02", f"parallel.zero_stage={zero_stage}"
+    )
+    assert type(engine.optimizer.optimizer).__name__ != "AdamW" or zero_stage == 0
+    run_steps(engine, r, manifest, tmp_path, steps=12)
+    curve = losses_of(tmp_path)
+    assert sum(curve[-3:]) < sum(curve[:3]) - 0.5
+
+
+def test_fp16_dynamic_loss_scaling(tokenized: tuple[DatasetManifest, Path], tmp_path: Path) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():
+        pytest.skip(
+            f"DeepSpeed's {get_accelerator().device_name()} accelerator has no fp16 here (runs on CUDA)"
+        )
+    manifest, _ = tokenized
+    recipe = load_recipe("smoke")
+    engine, r = engine_for(Transformer(recipe.model), "parallel.precision=fp16", "parallel.zero_stage=1")
+    run_steps(engine, r, manifest, tmp_path, steps=8)
+    curve = losses_of(tmp_path)
+    assert sum(curve[-2:]) < sum(curve[:2])
