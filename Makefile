@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/lmforge tokenize demo
 	$(VENV)/bin/lmforge model summary demo
+	$(VENV)/bin/lmforge tokenize demo
+	$(VENV)/bin/lmforge pretrain demo
 
 test: install
 	$(PY) -m pytest -q tests
@@ -33,7 +34,7 @@ test-fast: install
 	$(PY) -m pytest -q tests -m "not slow"
 
 bench: install
-	@for script in $(wildcard benchmarks/*.py); do $(PY) $$script || exit 1; done
+	@for script in $(wildcard benchmarks/*.py); do $(PY) $$script || exit 1; done  # one JSON line each
 
 lint: install
 	$(VENV)/bin/ruff check .
