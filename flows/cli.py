@@ -143,6 +143,12 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     print(f"val loss   {ref.final_val_loss}")
     print(f"hf export  {ref.hf_export} (verified: {ref.export_valid}, max |Δlogit| {ref.max_abs_logit_diff})")
     print(f"mlflow run {ref.mlflow_run_id}")
+    if recipe.tracking.enabled:
+        from infra.tracking import tracking_uri
+
+        print(
+            f"browse it: .venv/bin/mlflow ui --backend-store-uri {tracking_uri(recipe.tracking, recipe.output_dir)} --port 5000"
+        )
     return 0
 
 
