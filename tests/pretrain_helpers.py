@@ -28,13 +28,23 @@ def smoke_overrides(output_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """Run `lmforge` in a fresh process (its own Ray cluster and process group), with one thread per process."""
+def clean_env() -> dict[str, str]:
+    """This environment without the process-group variables an in-process DeepSpeed test may have set."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    exe = Path(sys.executable).with_name("lmforge")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return env
+
+
+def lmforge_command(*args: str) -> list[str]:
+    return [str(Path(sys.executable).with_name("lmforge")), *args]
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run `lmforge` in a fresh process (its own Ray cluster and process group), with one thread per process."""
+    return subprocess.run(
+        lmforge_command(*args), capture_output=True, text=True, timeout=timeout, env=clean_env()
+    )
 
 
 def with_sets(overrides: list[str]) -> list[str]:

@@ -82,6 +82,9 @@ class TrainConfig(BaseModel):
     checkpoint_every: PositiveInt = 50
     keep_checkpoints: PositiveInt = 2
     max_bad_steps: PositiveInt = 5  # consecutive non-finite losses before the run stops
+    peak_flops: PositiveFloat | None = (
+        None  # per device, for perf/mfu; None: published GPU peak or measured GEMM
+    )
     seed: NonNegativeInt = 0
 
     def grad_accum_steps(self, world_size: int) -> int:

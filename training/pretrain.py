@@ -230,13 +230,10 @@ def pretrain_worker(spec: dict[str, Any], progress: Progress | None = None) -> N
         else None
     )
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[par.precision]
-    peak = published_peak(device) or (
-        measure_matmul_peak(
-            dtype, device, train.micro_batch_size * train.seq_len, model_cfg.d_model, model_cfg.d_ff
-        )
-        if rank == 0
-        else 1.0
-    )
+    peak = train.peak_flops or published_peak(device)
+    if peak is None:  # only rank 0 logs MFU; measure at the model's shapes, same dtype and threads
+        shapes = (train.micro_batch_size * train.seq_len, model_cfg.d_model, model_cfg.d_ff)
+        peak = measure_matmul_peak(dtype, device, *shapes) if rank == 0 else 1.0
     setup = LoopSetup(
         run_dir=Path(spec["run_dir"]),
         rank=rank,

@@ -4,10 +4,8 @@ ZeRO stages and worker counts, golden losses, exact resume after SIGKILL, the no
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +14,16 @@ import torch
 
 from data_pipeline.tokenize import run_tokenize
 from flows.recipe import load_recipe
-from tests.pretrain_helpers import GOLDEN, MOE, cli, losses, smoke_overrides, with_sets
+from tests.pretrain_helpers import (
+    GOLDEN,
+    MOE,
+    clean_env,
+    cli,
+    lmforge_command,
+    losses,
+    smoke_overrides,
+    with_sets,
+)
 from training import checkpoint as ckpt
 from training.pretrain import CheckpointRef, run_pretrain
 
@@ -137,31 +144,30 @@ def test_exact_resume_after_sigkill(model: str, tmp_path: Path) -> None:
     straight = pretrain_cli(tmp_path / "straight", *extra)
 
     out = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [
-        str(Path(sys.executable).with_name("lmforge")),
-        "pretrain",
-        "smoke",
-        *with_sets(smoke_overrides(out, *extra)),
-    ]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    args = lmforge_command("pretrain", "smoke", *with_sets(smoke_overrides(out, *extra)))
+    log = (tmp_path / "killed.log").open("w")  # a file, not a pipe: a full pipe would stall the run
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=clean_env())
     deadline = time.time() + 300
     while time.time() < deadline and not list(
         (out / "pretrain").glob("*/checkpoints/step-00000040/COMPLETE")
     ):
-        assert process.poll() is None, "the run ended before it could be killed"
+        assert process.poll() is None, (
+            f"the run ended before it could be killed: {(tmp_path / 'killed.log').read_text()[-3000:]}"
+        )
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     process.wait()
+    log.close()
     run_dir = next((out / "pretrain").iterdir())
     done = [s for s, _ in ckpt.complete_checkpoints(run_dir / "checkpoints")]
     assert done and done[-1] < 160, f"killed too late: {done}"
+    first_run_id = ckpt.read_meta(ckpt.latest_checkpoint(run_dir / "checkpoints"))["mlflow_run_id"]
     # what a kill in the middle of a save leaves: a staging directory and a renamed one without its marker
     ckpt.prepare_staging(run_dir / "checkpoints", 200)
     (run_dir / "checkpoints" / "step-00000199").mkdir()
 
     resumed = pretrain_cli(out, *extra)
-    assert resumed.mlflow_run_id is not None
+    assert resumed.mlflow_run_id == first_run_id is not None  # the same MLflow run continues
     assert losses(Path(resumed.run_dir)) == losses(Path(straight.run_dir))  # every step, bit for bit
     from training.parallel import fp32_state_dict
 
