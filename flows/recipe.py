@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from data_pipeline.config import DataConfig
 from infra.tracking import TrackingConfig
-from training.config import OptimConfig, ParallelConfig, TrainConfig
+from training.config import FinetuneConfig, OptimConfig, ParallelConfig, TrainConfig
 from training.model import ModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -41,6 +41,7 @@ class Recipe(BaseModel):
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
     tracking: TrackingConfig = TrackingConfig()
+    finetune: FinetuneConfig = FinetuneConfig()
 
     @model_validator(mode="after")
     def _check_across_slices(self) -> Recipe:
@@ -59,17 +60,18 @@ class Recipe(BaseModel):
                 "parallel.ep_size>1 runs DeepSpeed's MoE layer, whose top-1 gate does not renormalise the routing "
                 "weight (ours does); use model.moe.top_k>=2 or parallel.ep_size=1"
             )
-        per_step = train.micro_batch_size * par.world_size
-        if train.global_batch_size % per_step:
-            raise ValueError(
-                f"train.global_batch_size={train.global_batch_size} must be a multiple of "
-                f"train.micro_batch_size={train.micro_batch_size} x parallel.world_size={par.world_size} = {per_step}"
-            )
-        if train.seq_len > self.model.max_seq_len:
-            raise ValueError(
-                f"train.seq_len={train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
-                "lower train.seq_len or raise model.max_seq_len"
-            )
+        for prefix, run in (("train", train), ("finetune.train", self.finetune.train)):
+            per_step = run.micro_batch_size * par.world_size
+            if run.global_batch_size % per_step:
+                raise ValueError(
+                    f"{prefix}.global_batch_size={run.global_batch_size} must be a multiple of "
+                    f"{prefix}.micro_batch_size={run.micro_batch_size} x parallel.world_size={par.world_size} = {per_step}"
+                )
+            if run.seq_len > self.model.max_seq_len:
+                raise ValueError(
+                    f"{prefix}.seq_len={run.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                    f"lower {prefix}.seq_len or raise model.max_seq_len"
+                )
         if self.data.tokenizer.vocab_size > self.model.vocab_size:
             raise ValueError(
                 f"data.tokenizer.vocab_size={self.data.tokenizer.vocab_size} exceeds "

@@ -90,3 +90,27 @@ class TrainConfig(BaseModel):
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-batches each rank accumulates per step; the recipe checks this divides evenly."""
         return self.global_batch_size // (self.micro_batch_size * world_size)
+
+
+class LoraSettings(BaseModel):
+    """Low-rank adapters (Hu et al. 2021) on the named linear layers (and, optionally, the stacked experts)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    r: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    experts: bool = False  # also adapt MoE experts' stacked weights (PEFT target_parameters)
+
+
+class FinetuneConfig(BaseModel):
+    """Stage 3: supervised fine-tuning of a pretrained checkpoint, full or LoRA, with its own optimiser and run."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["full", "lora"] = "lora"
+    lora: LoraSettings = LoraSettings()
+    optim: OptimConfig = OptimConfig(lr=2e-3, warmup_steps=10, weight_decay=0.0, schedule="cosine")
+    train: TrainConfig = TrainConfig(max_steps=200, eval_every=50, checkpoint_every=100)
+    eval_examples: PositiveInt = 64  # held-out prompts for exact match before and after

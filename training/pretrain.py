@@ -51,6 +51,9 @@ class CheckpointRef(BaseModel):
     mlflow_run_id: str | None
     config_digest: str
     model: dict[str, Any]
+    adapter: str | None = None  # fine-tuning with LoRA: the PEFT adapter directory
+    base_run_dir: str | None = None  # fine-tuning: the pretraining run it started from
+    summary: dict[str, float] = {}  # fine-tuning: held-out loss and exact match before and after
 
     @classmethod
     def load(cls, run_dir: str | Path) -> CheckpointRef:
@@ -203,6 +206,18 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
+def peak_flops_for(precision: str, train: Any, cfg: Any, rank: int, device: torch.device) -> float:
+    """Per-device peak for MFU: configured, else the published GPU peak, else a GEMM measured at the model's
+    shapes in the training dtype (rank 0 only: it alone logs MFU)."""
+    peak = train.peak_flops or published_peak(device)
+    if peak is not None:
+        return peak
+    if rank != 0:
+        return 1.0
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    return measure_matmul_peak(dtype, device, train.micro_batch_size * train.seq_len, cfg.d_model, cfg.d_ff)
+
+
 def pretrain_worker(spec: dict[str, Any], progress: Progress | None = None) -> None:
     """One training process: DeepSpeed engine, this rank's loaders, resume, loop. Runs in-process or under Ray."""
     from flows.recipe import Recipe
@@ -229,17 +244,12 @@ def pretrain_worker(spec: dict[str, Any], progress: Progress | None = None) -> N
         if data.splits["val"].n_docs
         else None
     )
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[par.precision]
-    peak = train.peak_flops or published_peak(device)
-    if peak is None:  # only rank 0 logs MFU; measure at the model's shapes, same dtype and threads
-        shapes = (train.micro_batch_size * train.seq_len, model_cfg.d_model, model_cfg.d_ff)
-        peak = measure_matmul_peak(dtype, device, *shapes) if rank == 0 else 1.0
     setup = LoopSetup(
         run_dir=Path(spec["run_dir"]),
         rank=rank,
         world_size=world,
         flops_per_token=flops_per_token(model_cfg, train.seq_len).training,
-        peak_flops=peak,
+        peak_flops=peak_flops_for(par.precision, train, model_cfg, rank, device),
         meta={"mlflow_run_id": spec["mlflow_run_id"], "config_digest": spec["config_digest"]},
         progress=progress,
     )

@@ -1,0 +1,93 @@
+"""LoRA as a transform of our model through PEFT (Hu et al. 2021): only the adapters train.
+
+Because our module paths are Hugging Face's (`model.layers.N.self_attn.q_proj`), an adapter saved here loads
+with `peft.PeftModel.from_pretrained(<the base's Hugging Face export>, <adapter>)` unchanged. Experts are
+stacked parameters, not `nn.Linear`s, so they are adapted through PEFT's `target_parameters`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from training.config import LoraSettings
+from training.model import Transformer
+
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def linear_names(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Leaf names of the model's linear layers and the smallest (in, out) size under each name."""
+    sizes: dict[str, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            leaf = name.rsplit(".", 1)[-1]
+            old = sizes.get(leaf, (module.in_features, module.out_features))
+            sizes[leaf] = (min(old[0], module.in_features), min(old[1], module.out_features))
+    return sizes
+
+
+def check_targets(model: Transformer, cfg: LoraSettings) -> None:
+    """Refuse target names that match nothing and ranks no target can hold, naming the valid choices."""
+    sizes = linear_names(model)
+    unknown = [t for t in cfg.target_modules if t not in sizes]
+    if unknown:
+        raise ValueError(
+            f"finetune.lora.target_modules: {unknown} match no linear layer; valid names: {sorted(sizes)}"
+        )
+    for target in cfg.target_modules:
+        smallest = min(sizes[target])
+        if cfg.r > smallest:
+            raise ValueError(
+                f"finetune.lora.r={cfg.r} exceeds the smallest dimension ({smallest}) of {target!r}; "
+                f"use r <= {smallest} or leave {target!r} out of target_modules"
+            )
+    if cfg.experts and model.cfg.moe is None:
+        raise ValueError("finetune.lora.experts=true needs a model with MoE layers; set it to false")
+
+
+def lora_config(cfg: LoraSettings, model: Transformer):  # noqa: ANN201 - peft's LoraConfig
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        target_parameters=list(EXPERT_PARAMETERS) if cfg.experts and model.cfg.moe is not None else None,
+        bias="none",
+    )
+
+
+def apply_lora(model: Transformer, cfg: LoraSettings) -> nn.Module:
+    """Wrap `model` in a PEFT model whose only trainable parameters are the adapters (deterministic init)."""
+    from peft import get_peft_model
+
+    check_targets(model, cfg)
+    torch.manual_seed(0)  # PEFT draws lora_A with the global generator: fix it so runs repeat
+    return get_peft_model(model, lora_config(cfg, model))
+
+
+def trainable_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def save_adapter(peft_model: nn.Module, out: Path, base_export: str | None) -> None:
+    """PEFT's adapter directory, pointing at the base's Hugging Face export."""
+    peft_model.save_pretrained(str(out))
+    if base_export is not None:
+        config_path = out / "adapter_config.json"
+        config = json.loads(config_path.read_text())
+        config["base_model_name_or_path"] = base_export
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def merged_state_dict(peft_model: nn.Module) -> dict[str, Tensor]:
+    """Our model's state dict with the adapters folded into the weights (W + BA · alpha/r)."""
+    merged = peft_model.merge_and_unload()
+    return {k: v.detach().clone() for k, v in merged.state_dict().items()}
