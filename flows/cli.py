@@ -152,6 +152,60 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    """Stage 3: fine-tune a pretraining run (given, or this recipe's, trained first if needed), full or LoRA."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from data_pipeline.sft import run_sft_data
+    from data_pipeline.tokenize import run_tokenize
+    from data_pipeline.tokenizer import describe
+    from training.finetune import run_sft
+    from training.pretrain import CheckpointRef, run_pretrain
+
+    recipe = load_recipe(args.recipe, args.set)
+    if args.base:
+        base = CheckpointRef.load(args.base)
+    else:
+        base = run_pretrain(recipe, run_tokenize(recipe.data, recipe.output_dir))
+    if base.hf_export is None:
+        raise ConfigError(
+            f"{base.run_dir} has no Hugging Face export (and so no tokenizer files) to fine-tune from"
+        )
+    tokenizer = describe(Path(base.hf_export))
+    data = run_sft_data(recipe.data.sft, tokenizer, recipe.finetune.train.seq_len, recipe.output_dir)
+    ft = recipe.finetune
+    columns = (
+        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+        BarColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns) as progress:
+        task = progress.add_task("sft", total=ft.train.max_steps, status=f"{ft.method} fine-tuning")
+
+        def report(step: int, loss: float, tokens_per_s: float) -> None:
+            progress.update(task, completed=step, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s")
+
+        ref = run_sft(recipe, base, data, progress=report)
+    print(f"run        {ref.run_dir} ({ft.method}, base {base.run_dir})")
+    for key, value in ref.summary.items():
+        print(f"  {key:<28} {value:.4f}")
+    if ref.adapter:
+        print(f"adapter    {ref.adapter}  (PeftModel.from_pretrained(<base hf export>, adapter))")
+    print(f"hf export  {ref.hf_export} (verified: {ref.export_valid})")
+    print(f"mlflow run {ref.mlflow_run_id}")
+    return 0
+
+
+def cmd_lora_merge(args: argparse.Namespace) -> int:
+    """Fold a PEFT adapter into its base Hugging Face export and save the merged model."""
+    from training.lora import merge_adapter_export
+
+    out = merge_adapter_export(Path(args.adapter), Path(args.out), args.base)
+    print(f"merged model: {out}")
+    return 0
+
+
 def cmd_data_inspect(args: argparse.Namespace) -> int:
     """Print a dataset's manifest, a histogram of document lengths and a few decoded documents."""
     import numpy as np
@@ -235,6 +289,25 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--workers", type=int, help="Ray Train workers (default: parallel.world_size)")
     add_set_argument(pretrain)
     pretrain.set_defaults(handler=cmd_pretrain)
+
+    sft = commands.add_parser(
+        "sft", help="stage 3: supervised fine-tuning, LoRA or full (--set finetune.method=full)"
+    )
+    sft.add_argument("recipe", help="recipe path or name in configs/")
+    sft.add_argument(
+        "--base", help="a pretraining run directory (default: this recipe's run, trained if missing)"
+    )
+    add_set_argument(sft)
+    sft.set_defaults(handler=cmd_sft)
+
+    lora = commands.add_parser("lora", help="LoRA adapters").add_subparsers(dest="action", required=True)
+    merge = lora.add_parser("merge", help="merge an adapter into its base and save a Hugging Face model")
+    merge.add_argument("adapter", help="a PEFT adapter directory")
+    merge.add_argument("--out", required=True, help="where to write the merged model")
+    merge.add_argument(
+        "--base", help="the base Hugging Face model (default: the adapter's base_model_name_or_path)"
+    )
+    merge.set_defaults(handler=cmd_lora_merge)
 
     data = commands.add_parser("data", help="inspect datasets").add_subparsers(dest="action", required=True)
     inspect = data.add_parser("inspect", help="manifest, token-length histogram and decoded samples")

@@ -62,7 +62,7 @@ class Recipe(BaseModel):
             )
         for prefix, run in (("train", train), ("finetune.train", self.finetune.train)):
             per_step = run.micro_batch_size * par.world_size
-            if run.global_batch_size % per_step:
+            if run.global_batch(par.world_size) % per_step:
                 raise ValueError(
                     f"{prefix}.global_batch_size={run.global_batch_size} must be a multiple of "
                     f"{prefix}.micro_batch_size={run.micro_batch_size} x parallel.world_size={par.world_size} = {per_step}"

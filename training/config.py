@@ -75,7 +75,8 @@ class TrainConfig(BaseModel):
 
     seq_len: PositiveInt = 256
     micro_batch_size: PositiveInt = 8
-    global_batch_size: PositiveInt = 8  # sequences per optimiser step, over all ranks and accumulation steps
+    # sequences per optimiser step over all ranks and accumulation steps; None: micro_batch_size x world size
+    global_batch_size: PositiveInt | None = 8
     max_steps: PositiveInt = 100
     eval_every: PositiveInt = 50
     eval_batches: PositiveInt = 8
@@ -89,7 +90,10 @@ class TrainConfig(BaseModel):
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-batches each rank accumulates per step; the recipe checks this divides evenly."""
-        return self.global_batch_size // (self.micro_batch_size * world_size)
+        return self.global_batch(world_size) // (self.micro_batch_size * world_size)
+
+    def global_batch(self, world_size: int) -> int:
+        return self.global_batch_size or self.micro_batch_size * world_size
 
 
 class LoraSettings(BaseModel):
@@ -100,7 +104,15 @@ class LoraSettings(BaseModel):
     r: PositiveInt = 8
     alpha: PositiveFloat = 16.0
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
     experts: bool = False  # also adapt MoE experts' stacked weights (PEFT target_parameters)
 
 
@@ -112,5 +124,7 @@ class FinetuneConfig(BaseModel):
     method: Literal["full", "lora"] = "lora"
     lora: LoraSettings = LoraSettings()
     optim: OptimConfig = OptimConfig(lr=2e-3, warmup_steps=10, weight_decay=0.0, schedule="cosine")
-    train: TrainConfig = TrainConfig(max_steps=200, eval_every=50, checkpoint_every=100)
+    train: TrainConfig = TrainConfig(
+        global_batch_size=None, max_steps=200, eval_every=50, checkpoint_every=100
+    )
     eval_examples: PositiveInt = 64  # held-out prompts for exact match before and after

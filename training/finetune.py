@@ -25,8 +25,8 @@ from infra.tracking import finish_run, make_tracker, start_run
 from training import checkpoint as ckpt
 from training.accounting import flops_per_token
 from training.export import export_hf
-from training.lora import apply_lora, merged_state_dict, save_adapter, trainable_counts
 from training.loop import LoopSetup, resume, train_loop
+from training.lora import apply_lora, merged_state_dict, save_adapter, trainable_counts
 from training.model import ModelConfig, Transformer
 from training.pretrain import CheckpointRef, Progress, git_revision, peak_flops_for, read_metrics
 from training.sampling import generate
@@ -53,14 +53,24 @@ def check_tokenizers(base: CheckpointRef, data: SFTManifest) -> None:
         )
 
 
-def run_sft(recipe: Any, base: CheckpointRef, data: SFTManifest, progress: Progress | None = None) -> CheckpointRef:
+def run_sft(
+    recipe: Any, base: CheckpointRef, data: SFTManifest, progress: Progress | None = None
+) -> CheckpointRef:
     """Fine-tune `base` on `data` with `recipe.finetune` (1 worker in-process, N on Ray Train)."""
     check_tokenizers(base, data)
     ft = recipe.finetune
     if data.seq_len != ft.train.seq_len:
-        raise DataError(f"SFT data has seq_len={data.seq_len}, finetune.train.seq_len={ft.train.seq_len}; rebuild it")
-    key = {"version": SFT_VERSION, "finetune": ft.model_dump(mode="json"), "parallel": recipe.parallel.model_dump(mode="json"),
-           "base": base.config_digest, "base_checkpoint": base.checkpoint, "data": data.path}
+        raise DataError(
+            f"SFT data has seq_len={data.seq_len}, finetune.train.seq_len={ft.train.seq_len}; rebuild it"
+        )
+    key = {
+        "version": SFT_VERSION,
+        "finetune": ft.model_dump(mode="json"),
+        "parallel": recipe.parallel.model_dump(mode="json"),
+        "base": base.config_digest,
+        "base_checkpoint": base.checkpoint,
+        "data": data.path,
+    }
     run_dir = stage_dir(recipe.output_dir, "sft", f"{recipe.name}-{ft.method}", key)
     if (run_dir / MANIFEST).is_file():
         return CheckpointRef.load(run_dir)
@@ -68,22 +78,42 @@ def run_sft(recipe: Any, base: CheckpointRef, data: SFTManifest, progress: Progr
     latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
     previous_run = ckpt.read_meta(latest).get("mlflow_run_id") if latest else None
     digest = digest_of(key)
-    tags = {"lmforge.stage": "sft", "lmforge.method": ft.method, "lmforge.config_digest": digest,
-            "lmforge.git": git_revision(), "lmforge.base_run_id": str(base.mlflow_run_id),
-            "lmforge.base_run_dir": base.run_dir}
-    run_id = start_run(recipe.tracking, recipe.output_dir, f"sft-{ft.method}-{recipe.name}", previous_run, tags)
+    tags = {
+        "lmforge.stage": "sft",
+        "lmforge.method": ft.method,
+        "lmforge.config_digest": digest,
+        "lmforge.git": git_revision(),
+        "lmforge.base_run_id": str(base.mlflow_run_id),
+        "lmforge.base_run_dir": base.run_dir,
+    }
+    run_id = start_run(
+        recipe.tracking, recipe.output_dir, f"sft-{ft.method}-{recipe.name}", previous_run, tags
+    )
     tracker = make_tracker(recipe.tracking, recipe.output_dir, run_id, rank=0)
     if previous_run is None:
         tracker.log_params({"finetune": ft.model_dump(mode="json"), "base_run_dir": base.run_dir})
-    spec = {"recipe": recipe.model_dump_json(), "base": base.model_dump_json(), "data": data.model_dump_json(),
-            "run_dir": str(run_dir.resolve()), "mlflow_run_id": run_id, "config_digest": digest}
+    spec = {
+        "recipe": recipe.model_dump_json(),
+        "base": base.model_dump_json(),
+        "data": data.model_dump_json(),
+        "run_dir": str(run_dir.resolve()),
+        "mlflow_run_id": run_id,
+        "config_digest": digest,
+    }
     try:
         if recipe.parallel.world_size == 1:
             sft_worker(spec, progress)
         else:
             from training.launch import run_workers
 
-            run_workers(sft_worker, spec, recipe.parallel.world_size, torch.cuda.is_available(), run_dir / "ray", "sft")
+            run_workers(
+                sft_worker,
+                spec,
+                recipe.parallel.world_size,
+                torch.cuda.is_available(),
+                run_dir / "ray",
+                "sft",
+            )
         ref = finalize_sft(recipe, base, data, run_dir, run_id, digest, tracker)
     except BaseException:
         finish_run(recipe.tracking, recipe.output_dir, run_id, status="FAILED")
@@ -111,9 +141,13 @@ def sft_worker(spec: dict[str, Any], progress: Progress | None = None) -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(ft.train.seed)
     model = build_model(base, ft)
-    trainable, total = trainable_counts(model)
     engine = build_engine(model, ft.optim, par, ft.train)
-    common = {"batch_size": ft.train.micro_batch_size, "rank": rank, "world_size": world, "tokenizer_digest": base.tokenizer_digest}
+    common = {
+        "batch_size": ft.train.micro_batch_size,
+        "rank": rank,
+        "world_size": world,
+        "tokenizer_digest": base.tokenizer_digest,
+    }
     loader = SFTLoader(data, "train", seed=ft.train.seed, **common)
     heldout = SFTLoader(data, "heldout", shuffle=False, **common)
     cfg = ModelConfig(**base.model)
@@ -122,14 +156,14 @@ def sft_worker(spec: dict[str, Any], progress: Progress | None = None) -> None:
         rank=rank,
         world_size=world,
         flops_per_token=flops_per_token(cfg, ft.train.seq_len).training,
-        peak_flops=peak_flops_for(par.precision, ft.train, cfg, rank, next(engine.module.parameters()).device),
+        peak_flops=peak_flops_for(
+            par.precision, ft.train, cfg, rank, next(engine.module.parameters()).device
+        ),
         meta={"mlflow_run_id": spec["mlflow_run_id"], "config_digest": spec["config_digest"]},
         progress=progress,
     )
     state = resume(engine, loader, setup)
     tracker = make_tracker(recipe.tracking, recipe.output_dir, spec["mlflow_run_id"], rank)
-    if state.step == 0:
-        tracker.log_metrics({"sft/trainable_params": trainable, "sft/trainable_fraction": trainable / total}, 0)
 
     def heldout_batches():  # noqa: ANN202
         order = heldout.sampler.order(0)
@@ -165,7 +199,13 @@ def exact_match(model: Transformer, tokenizer_dir: str, examples: list[Messages]
 
 
 def finalize_sft(
-    recipe: Any, base: CheckpointRef, data: SFTManifest, run_dir: Path, run_id: str | None, digest: str, tracker: Any
+    recipe: Any,
+    base: CheckpointRef,
+    data: SFTManifest,
+    run_dir: Path,
+    run_id: str | None,
+    digest: str,
+    tracker: Any,
 ) -> CheckpointRef:
     """Adapter / merged export (verified), before-and-after metrics, manifest."""
     from training.parallel import fp32_state_dict
@@ -176,8 +216,9 @@ def finalize_sft(
     cfg = ModelConfig(**base.model)
     state = fp32_state_dict(final, tie_embeddings=False)
     adapter_dir = None
+    tuned = build_model(base, ft)
+    trainable, total = trainable_counts(tuned)
     if ft.method == "lora":
-        tuned = build_model(base, ft)
         tuned.load_state_dict(state, strict=True)
         adapter_dir = run_dir / "adapter"
         save_adapter(tuned, adapter_dir, base.hf_export)
@@ -193,6 +234,8 @@ def finalize_sft(
     examples = heldout_examples(data, ft.eval_examples)
     val = [m["val/loss"] for m in read_metrics(run_dir) if "val/loss" in m]
     summary = {
+        "sft/trainable_params": float(trainable),
+        "sft/trainable_fraction": trainable / total,
         "sft/heldout_loss_before": val[0],
         "sft/heldout_loss_after": val[-1],
         "sft/exact_match_before": exact_match(base_model(base), tokenizer_dir, examples),

@@ -131,7 +131,7 @@ def train_loop(
     """Run optimiser steps from `state.step` to `cfg.max_steps`; checkpoints land in `<run_dir>/checkpoints`."""
     device = next(engine.module.parameters()).device
     accumulation = engine.gradient_accumulation_steps()
-    tokens_per_step = cfg.global_batch_size * cfg.seq_len
+    tokens_per_step = cfg.global_batch(setup.world_size) * cfg.seq_len
     metrics_file = setup.run_dir / "metrics.jsonl"
     checkpoints = setup.run_dir / "checkpoints"
 

@@ -91,3 +91,27 @@ def merged_state_dict(peft_model: nn.Module) -> dict[str, Tensor]:
     """Our model's state dict with the adapters folded into the weights (W + BA · alpha/r)."""
     merged = peft_model.merge_and_unload()
     return {k: v.detach().clone() for k, v in merged.state_dict().items()}
+
+
+def merge_adapter_export(adapter: Path, out: Path, base: str | None = None) -> Path:
+    """`PeftModel.from_pretrained(base, adapter).merge_and_unload()` saved with the base's tokenizer files."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config_path = adapter / "adapter_config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{adapter}: no adapter_config.json; give a PEFT adapter directory")
+    base = base or json.loads(config_path.read_text()).get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise ValueError(
+            f"{adapter}: base model {base!r} not found locally; pass --base <hf export directory>"
+        )
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    merged.save_pretrained(str(out), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (Path(base) / name).is_file():
+            shutil.copy(Path(base) / name, out / name)
+    return out

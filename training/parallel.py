@@ -65,7 +65,7 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def deepspeed_config(parallel: ParallelConfig, optim: OptimConfig, train: TrainConfig) -> dict[str, Any]:
     """The DeepSpeed JSON for these slices; `parallel.deepspeed` keys are merged on top."""
     config: dict[str, Any] = {
-        "train_batch_size": train.global_batch_size,
+        "train_batch_size": train.global_batch(parallel.world_size),
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.grad_accum_steps(parallel.world_size),
         "gradient_clipping": optim.grad_clip,

@@ -75,8 +75,8 @@ def data_digest(data: DatasetManifest) -> str:
 
 
 def run_key(recipe: Any, data: DatasetManifest) -> dict[str, Any]:
-    """What determines the trained weights: everything but the data recipe, tracking and output location."""
-    config = recipe.model_dump(mode="json", exclude={"data", "tracking", "output_dir", "name"})
+    """What determines the trained weights: everything but data, fine-tuning, tracking and output settings."""
+    config = recipe.model_dump(mode="json", exclude={"data", "tracking", "output_dir", "name", "finetune"})
     config["parallel"].pop("threads_per_worker", None)
     return {"version": PRETRAIN_VERSION, "config": config, "data": data_digest(data)}
 
