@@ -26,6 +26,7 @@ demo: install
 	$(VENV)/bin/lmforge model summary demo
 	$(VENV)/bin/lmforge tokenize demo
 	$(VENV)/bin/lmforge pretrain demo
+	$(VENV)/bin/lmforge sft demo
 
 test: install
 	$(PY) -m pytest -q tests
