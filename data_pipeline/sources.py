@@ -104,9 +104,20 @@ def _kind(path: Path) -> str:
 @dataclass(frozen=True)
 class _Source:
     label: str  # prefix of document ids
-    root: Path | None  # for relative ids
+    root: Path | None  # document ids are relative to it, so they do not depend on where the data lives
     files: tuple[Path, ...]
     hf_spec: str | None = None
+    relative_ids: bool = False  # file globs: ids are bare relative paths (no label)
+
+
+def glob_root(pattern: str) -> Path:
+    """The directory part of a glob before its first wildcard ('/data/**/*.txt' -> '/data'); a plain file's
+    directory for a pattern without wildcards."""
+    parts = Path(pattern).parts
+    for i, part in enumerate(parts):
+        if any(c in part for c in "*?["):
+            return Path(*parts[:i]) if i else Path(".")
+    return Path(pattern).parent
 
 
 class Corpus:
@@ -134,13 +145,13 @@ class Corpus:
             raise DataError(
                 f"data.sources: {unsupported[0]} has an unsupported type; use {', '.join(SUFFIXES)} (optionally .gz)"
             )
-        return _Source(spec, None, tuple(matches))
+        return _Source(spec, glob_root(spec), tuple(matches), relative_ids=True)
 
     def fingerprint(self) -> str:
         """sha256 over every file's id and content (or the dataset's own fingerprint for `hf:` sources)."""
         h = hashlib.sha256()
         for source in self._sources:
-            h.update(source.label.encode() + b"\0")
+            h.update(("files" if source.relative_ids else source.label).encode() + b"\0")  # not the path
             if source.hf_spec is not None:
                 h.update(_hf_dataset(source.hf_spec)._fingerprint.encode())
             for path in source.files:
@@ -152,7 +163,7 @@ class Corpus:
     @staticmethod
     def _file_id(source: _Source, path: Path) -> str:
         rel = path.relative_to(source.root).as_posix() if source.root else path.as_posix()
-        return f"{source.label}:{rel}" if source.root else rel
+        return rel if source.relative_ids else f"{source.label}:{rel}"
 
     def __iter__(self) -> Iterator[Document]:
         self.stats = ReadStats()

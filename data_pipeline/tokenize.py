@@ -149,8 +149,9 @@ def chunk_corpus(corpus: Corpus, val_fraction: float, resume_from: dict[str, int
 
 
 def dataset_key(cfg: DataConfig, fingerprint: str, tokenizer_digest: str) -> dict[str, object]:
-    """What determines the shards' bytes (not the worker count or backend, which cannot change them)."""
-    fields = {"sources", "text_field", "max_documents", "on_bad_record", "val_fraction", "shard_tokens"}
+    """What determines the shards' bytes: not the worker count or backend, which cannot change them, nor where
+    the sources live (the fingerprint covers their content and relative names)."""
+    fields = {"text_field", "max_documents", "on_bad_record", "val_fraction", "shard_tokens"}
     return {
         "version": SHARD_FORMAT_VERSION,
         "config": cfg.model_dump(mode="json", include=fields),

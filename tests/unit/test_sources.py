@@ -132,3 +132,13 @@ def test_split_is_stable_and_close_to_the_fraction() -> None:
     assert 0.08 < len(val) / len(ids) < 0.12
     assert val == [i for i in ids if split_of(i, 0.1) == "val"]
     assert all(split_of(i, 0.0) == "train" for i in ids[:100])
+
+
+def test_ids_and_fingerprint_do_not_depend_on_where_the_data_lives(tmp_path: Path) -> None:
+    for place in ("a", "b/deeper"):
+        (tmp_path / place).mkdir(parents=True)
+        write_mixed(tmp_path / place)
+    one, two = Corpus(cfg(str(tmp_path / "a" / "*"))), Corpus(cfg(str(tmp_path / "b" / "deeper" / "*")))
+    assert [d.doc_id for d in one] == [d.doc_id for d in two]
+    assert [d.doc_id for d in one][0] == "a.txt"
+    assert one.fingerprint() == two.fingerprint()
