@@ -85,7 +85,42 @@ class EpochSampler:
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
 
 
-class PackedLoader:
+class SampledLoader:
+    """Batches drawn in an EpochSampler's order; subclasses say how indices become a batch (`batch_of`)."""
+
+    sampler: EpochSampler
+
+    def batch_of(self, indices: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.sampler.batches_per_epoch
+
+    def next_batch(self) -> Any:
+        return self.batch_of(self.sampler.next_indices())
+
+    def __iter__(self) -> Iterator[Any]:
+        """Endless: epochs follow one another with fresh shuffles."""
+        while True:
+            yield self.next_batch()
+
+    def epoch_batches(self, max_batches: int | None = None) -> Iterator[Any]:
+        """One pass over epoch 0 in a fixed order (for evaluation); does not move the loader's position."""
+        order = self.sampler.order(0)
+        size = self.sampler.batch_size
+        n = self.batches_per_epoch if max_batches is None else min(max_batches, self.batches_per_epoch)
+        for b in range(n):
+            yield self.batch_of(order[b * size : (b + 1) * size])
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+
+class PackedLoader(SampledLoader):
     """Batches (inputs, targets), each (B, T) int64, from one split of a tokenized dataset."""
 
     def __init__(
@@ -109,32 +144,12 @@ class PackedLoader:
         n_windows = max(0, (self.reader.n_tokens - 1) // seq_len)
         self.sampler = EpochSampler(n_windows, batch_size, rank, world_size, seed, shuffle)
 
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.sampler.batches_per_epoch
-
     def batch_of(self, windows: np.ndarray) -> tuple[Tensor, Tensor]:
         rows = np.stack([self.reader.slice(int(w) * self.seq_len, self.seq_len + 1) for w in windows])
         tokens = torch.from_numpy(rows.astype(np.int64))
         return tokens[:, :-1], tokens[:, 1:]
 
-    def next_batch(self) -> tuple[Tensor, Tensor]:
-        return self.batch_of(self.sampler.next_indices())
-
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
-        """Endless: epochs follow one another with fresh shuffles."""
-        while True:
-            yield self.next_batch()
-
-    def epoch_batches(self, max_batches: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
-        """One pass over epoch 0 in a fixed order (for evaluation); does not move the loader's position."""
-        order = self.sampler.order(0)
-        size = self.sampler.batch_size
-        n = self.batches_per_epoch if max_batches is None else min(max_batches, self.batches_per_epoch)
-        for b in range(n):
-            yield self.batch_of(order[b * size : (b + 1) * size])
-
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         return {**self.sampler.state_dict(), "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from data_pipeline.config import SFTConfig
-from data_pipeline.loader import EpochSampler
+from data_pipeline.loader import EpochSampler, SampledLoader
 from data_pipeline.sources import DataError, ReadStats, decode_utf8, split_of, stdlib_files, stdlib_root
 from data_pipeline.tokenizer import END_OF_TURN, ROLES, SPECIAL_TOKENS, TokenizerRef
 from infra.storage import MANIFEST, atomic_write_bytes, atomic_write_json, digest_of, stage_dir
@@ -236,7 +235,7 @@ class SFTBatch:
     targets: Tensor  # (B, T) int64, IGNORE_INDEX where the loss mask is 0 or on padding
 
 
-class SFTLoader:
+class SFTLoader(SampledLoader):
     """Padded SFT batches with the same deterministic, rank-sharded, resumable order as the pretraining loader."""
 
     def __init__(
@@ -272,16 +271,3 @@ class SFTLoader:
             inputs[row, :n] = ids[:-1]
             targets[row, :n] = torch.where(keep[1:], ids[1:], IGNORE_INDEX)
         return SFTBatch(inputs, targets)
-
-    def next_batch(self) -> SFTBatch:
-        return self.batch_of(self.sampler.next_indices())
-
-    def __iter__(self) -> Iterator[SFTBatch]:
-        while True:
-            yield self.next_batch()
-
-    def state_dict(self) -> dict[str, int]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)

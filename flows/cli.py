@@ -9,7 +9,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -113,18 +114,11 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_pretrain(args: argparse.Namespace) -> int:
-    """Stage 2 from the command line: tokenize (cached), then pretrain with a progress bar."""
+@contextmanager
+def step_progress(total: int, status: str) -> Iterator[Callable[[int, float, float], None]]:
+    """A progress bar over optimiser steps; yields the (step, loss, tokens/s) callback training reports to."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from data_pipeline.tokenize import run_tokenize
-    from training.pretrain import run_pretrain
-
-    workers = [f"parallel.world_size={args.workers}"] if args.workers else []
-    recipe = load_recipe(
-        args.recipe, [*args.set, *workers]
-    )  # validated with the worker count it will run with
-    data = run_tokenize(recipe.data, recipe.output_dir)
     columns = (
         TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
         BarColumn(),
@@ -132,11 +126,23 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         TimeRemainingColumn(),
     )
     with Progress(*columns) as progress:
-        task = progress.add_task("pretrain", total=recipe.train.max_steps, status="starting")
+        task = progress.add_task("steps", total=total, status=status)
 
         def report(step: int, loss: float, tokens_per_s: float) -> None:
             progress.update(task, completed=step, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s")
 
+        yield report
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    """Stage 2 from the command line: tokenize (cached), then pretrain with a progress bar."""
+    from data_pipeline.tokenize import run_tokenize
+    from training.pretrain import run_pretrain
+
+    workers = [f"parallel.world_size={args.workers}"] if args.workers else []
+    recipe = load_recipe(args.recipe, [*args.set, *workers])  # validated with the worker count it runs with
+    data = run_tokenize(recipe.data, recipe.output_dir)
+    with step_progress(recipe.train.max_steps, "starting") as report:
         ref = run_pretrain(recipe, data, progress=report)
     print(f"run        {ref.run_dir}")
     print(f"checkpoint {ref.checkpoint} (step {ref.step})")
@@ -154,8 +160,6 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     """Stage 3: fine-tune a pretraining run (given, or this recipe's, trained first if needed), full or LoRA."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
     from data_pipeline.sft import run_sft_data
     from data_pipeline.tokenize import run_tokenize
     from data_pipeline.tokenizer import describe
@@ -174,18 +178,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     tokenizer = describe(Path(base.hf_export))
     data = run_sft_data(recipe.data.sft, tokenizer, recipe.finetune.train.seq_len, recipe.output_dir)
     ft = recipe.finetune
-    columns = (
-        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
-        BarColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns) as progress:
-        task = progress.add_task("sft", total=ft.train.max_steps, status=f"{ft.method} fine-tuning")
-
-        def report(step: int, loss: float, tokens_per_s: float) -> None:
-            progress.update(task, completed=step, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s")
-
+    with step_progress(ft.train.max_steps, f"{ft.method} fine-tuning") as report:
         ref = run_sft(recipe, base, data, progress=report)
     print(f"run        {ref.run_dir} ({ft.method}, base {base.run_dir})")
     for key, value in ref.summary.items():

@@ -76,7 +76,7 @@ class TrainConfig(BaseModel):
     seq_len: PositiveInt = 256
     micro_batch_size: PositiveInt = 8
     # sequences per optimiser step over all ranks and accumulation steps; None: micro_batch_size x world size
-    global_batch_size: PositiveInt | None = 8
+    global_batch_size: PositiveInt | None = None
     max_steps: PositiveInt = 100
     eval_every: PositiveInt = 50
     eval_batches: PositiveInt = 8

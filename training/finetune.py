@@ -25,6 +25,7 @@ from infra.tracking import finish_run, make_tracker, start_run
 from training import checkpoint as ckpt
 from training.accounting import flops_per_token
 from training.export import export_hf
+from training.launch import run_stage_workers
 from training.loop import LoopSetup, resume, train_loop
 from training.lora import apply_lora, merged_state_dict, save_adapter, trainable_counts
 from training.model import ModelConfig, Transformer
@@ -101,19 +102,7 @@ def run_sft(
         "config_digest": digest,
     }
     try:
-        if recipe.parallel.world_size == 1:
-            sft_worker(spec, progress)
-        else:
-            from training.launch import run_workers
-
-            run_workers(
-                sft_worker,
-                spec,
-                recipe.parallel.world_size,
-                torch.cuda.is_available(),
-                run_dir / "ray",
-                "sft",
-            )
+        run_stage_workers(sft_worker, spec, recipe.parallel.world_size, run_dir, "sft", progress)
         ref = finalize_sft(recipe, base, data, run_dir, run_id, digest, tracker)
     except BaseException:
         finish_run(recipe.tracking, recipe.output_dir, run_id, status="FAILED")
@@ -165,13 +154,16 @@ def sft_worker(spec: dict[str, Any], progress: Progress | None = None) -> None:
     state = resume(engine, loader, setup)
     tracker = make_tracker(recipe.tracking, recipe.output_dir, spec["mlflow_run_id"], rank)
 
-    def heldout_batches():  # noqa: ANN202
-        order = heldout.sampler.order(0)
-        size = heldout.sampler.batch_size
-        for b in range(min(ft.train.eval_batches, heldout.sampler.batches_per_epoch)):
-            yield heldout.batch_of(order[b * size : (b + 1) * size])
-
-    train_loop(engine, loader, heldout_batches, ft.train, ft.optim, setup, tracker, state)
+    train_loop(
+        engine,
+        loader,
+        lambda: heldout.epoch_batches(ft.train.eval_batches),
+        ft.train,
+        ft.optim,
+        setup,
+        tracker,
+        state,
+    )
 
 
 def heldout_examples(data: SFTManifest, limit: int) -> list[Messages]:

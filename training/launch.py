@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -53,3 +55,18 @@ def run_workers(
     )
     log.info("launching %d Ray Train workers (gpu=%s)", workers, use_gpu)
     trainer.fit()
+
+
+def run_stage_workers(
+    worker: Callable[..., None],
+    spec: dict[str, Any],
+    world_size: int,
+    run_dir: Path,
+    name: str,
+    progress: Any = None,
+) -> None:
+    """One worker runs in this process (and reports progress); more run as Ray Train workers."""
+    if world_size == 1:
+        worker(spec, progress)
+    else:
+        run_workers(worker, spec, world_size, torch.cuda.is_available(), run_dir / "ray", name)

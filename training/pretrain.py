@@ -26,6 +26,7 @@ from infra.tracking import finish_run, make_tracker, start_run
 from training import checkpoint as ckpt
 from training.accounting import flops_per_token
 from training.export import export_hf
+from training.launch import run_stage_workers
 from training.loop import LoopSetup, resume, train_loop
 from training.model import Transformer
 from training.perf import measure_matmul_peak, published_peak
@@ -138,19 +139,7 @@ def run_pretrain(
         tracker.log_artifact(run_dir / "recipe.json")
         tracker.log_artifact(Path(data.path) / MANIFEST, "data")
     try:
-        if recipe.parallel.world_size == 1:
-            pretrain_worker(spec, progress)
-        else:
-            from training.launch import run_workers
-
-            run_workers(
-                pretrain_worker,
-                spec,
-                recipe.parallel.world_size,
-                torch.cuda.is_available(),
-                run_dir / "ray",
-                "train",
-            )
+        run_stage_workers(pretrain_worker, spec, recipe.parallel.world_size, run_dir, "train", progress)
     except BaseException:
         finish_run(recipe.tracking, recipe.output_dir, run_id, status="FAILED")
         raise
