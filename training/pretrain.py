@@ -8,6 +8,7 @@ and keeps logging into the same MLflow run; a finished run (its manifest.json ex
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -157,18 +158,14 @@ def finalize(
     final = ckpt.latest_checkpoint(run_dir / "checkpoints")
     assert final is not None, "training ended without a checkpoint"
     meta = ckpt.read_meta(final)
-    export_dir: Path | None = run_dir / "hf"
-    try:
-        state = fp32_state_dict(final, recipe.model.tie_embeddings)
-        verification = export_hf(state, recipe.model, data.tokenizer.path, export_dir)
-    except NotImplementedError as reason:
-        log.warning("no Hugging Face export: %s", reason)
-        export_dir, verification = None, {"valid": False, "max_abs_logit_diff": None}
+    export_dir = run_dir / "hf"
+    state = fp32_state_dict(final, recipe.model.tie_embeddings)
+    verification = export_hf(state, recipe.model, data.tokenizer.path, export_dir)
     val_losses = [m["val/loss"] for m in read_metrics(run_dir) if "val/loss" in m]
     ref = CheckpointRef(
         run_dir=str(run_dir.resolve()),
         checkpoint=str(final.resolve()),
-        hf_export=str(export_dir.resolve()) if export_dir else None,
+        hf_export=str(export_dir.resolve()),
         export_valid=bool(verification["valid"]),
         max_abs_logit_diff=verification["max_abs_logit_diff"],
         step=int(meta["loop"]["step"]),
@@ -178,19 +175,15 @@ def finalize(
         config_digest=digest,
         model=recipe.model.model_dump(mode="json"),
     )
-    if verification["max_abs_logit_diff"] is not None:
-        tracker.log_metrics({"export/max_abs_logit_diff": verification["max_abs_logit_diff"]}, ref.step)
-    if export_dir is not None:
-        tracker.log_artifact(export_dir, "hf_export")
+    tracker.log_metrics({"export/max_abs_logit_diff": verification["max_abs_logit_diff"]}, ref.step)
+    tracker.log_artifact(export_dir, "hf_export")
     tracker.log_artifact(run_dir / "metrics.jsonl")
     atomic_write_json(run_dir / MANIFEST, ref.model_dump(mode="json"))
     return ref
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
-    """metrics.jsonl, keeping the last record logged for each (step, keys) after resumes."""
-    import json
-
+    """Every record of the run's metrics.jsonl, in logging order (a resumed run re-logs the steps it redoes)."""
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
