@@ -134,6 +134,11 @@ def train_loop(
     tokens_per_step = cfg.global_batch(setup.world_size) * cfg.seq_len
     metrics_file = setup.run_dir / "metrics.jsonl"
     checkpoints = setup.run_dir / "checkpoints"
+    # DeepSpeed reports no gradient norm for plain fp32 without ZeRO; there p.grad holds the full gradient.
+    plain_grads = engine.zero_optimization_stage() == 0 and not (
+        engine.bfloat16_enabled() or engine.fp16_enabled()
+    )
+    local_norm = float("nan")
 
     def log(metrics: dict[str, float], step: int) -> None:
         if setup.rank == 0:
@@ -166,7 +171,8 @@ def train_loop(
             if micro == accumulation - 1:
                 if bad:
                     set_lr(engine, 0.0)  # the step happens (ranks stay in lockstep) but moves no weight
-                local_norm = grad_norm_of(engine.module)  # only where gradients live on the parameters
+                if plain_grads:
+                    local_norm = grad_norm_of(engine.module)
             engine.step()
         state.step += 1
         state.tokens += tokens_per_step
@@ -184,10 +190,8 @@ def train_loop(
                 )
         else:
             state.consecutive_bad = 0
-            grad_norm = (
-                engine.get_global_grad_norm()
-            )  # None without ZeRO in fp32: then p.grad is the full gradient
-            grad_norm = float(grad_norm if grad_norm is not None else local_norm)
+            reported = engine.get_global_grad_norm()
+            grad_norm = float(reported) if reported is not None else local_norm
             if not torch.isfinite(torch.tensor(grad_norm)):
                 raise TrainingHalted(
                     f"non-finite gradient norm at step {state.step}: the weights are no longer usable; resume from "
