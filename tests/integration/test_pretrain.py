@@ -69,6 +69,8 @@ def test_training_learns_and_tracks_in_mlflow(golden_run: CheckpointRef) -> None
     assert run.data.params["model.d_model"] == "64" and run.data.params["parallel.zero_stage"] == "0"
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in history] == list(range(1, 21))
+    grad_norms = client.get_metric_history(run.info.run_id, "train/grad_norm")
+    assert all(0 < m.value < 100 for m in grad_norms)  # fp32 ZeRO-0: measured from p.grad
     assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "val/loss"} <= set(
         run.data.metrics
     )
