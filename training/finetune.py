@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from data_pipeline.sft import Messages, SFTLoader, SFTManifest, render
 from data_pipeline.sources import DataError
@@ -172,9 +173,8 @@ def heldout_examples(data: SFTManifest, limit: int) -> list[Messages]:
 
 
 @torch.no_grad()
-def exact_match(model: Transformer, tokenizer_dir: str, examples: list[Messages]) -> float:
+def exact_match(model: Transformer, tokenizer: Tokenizer, examples: list[Messages]) -> float:
     """Share of held-out prompts whose greedy answer equals the reference answer (whitespace-trimmed)."""
-    tokenizer = describe(Path(tokenizer_dir)).load()
     end_id = tokenizer.token_to_id(END_OF_TURN)
     hits = 0
     for messages in examples:
@@ -208,7 +208,11 @@ def finalize_sft(
     cfg = ModelConfig(**base.model)
     state = fp32_state_dict(final, tie_embeddings=False)
     adapter_dir = None
-    tuned = build_model(base, ft)
+    tokenizer = describe(Path(base.hf_export)).load()
+    examples = heldout_examples(data, ft.eval_examples)
+    model = base_model(base)  # the base is read once: scored first, then turned into the tuned model
+    match_before = exact_match(model, tokenizer, examples)
+    tuned = apply_lora(model, ft.lora) if ft.method == "lora" else model
     trainable, total = trainable_counts(tuned)
     if ft.method == "lora":
         tuned.load_state_dict(state, strict=True)
@@ -219,19 +223,17 @@ def finalize_sft(
         weights = state
         if cfg.tie_embeddings:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    tokenizer_dir = base.hf_export
-    verification = export_hf(weights, cfg, tokenizer_dir, run_dir / "hf")
+    verification = export_hf(weights, cfg, base.hf_export, run_dir / "hf")
     tuned_model = Transformer(cfg, seed=None)
     tuned_model.load_state_dict(weights, strict=True)
-    examples = heldout_examples(data, ft.eval_examples)
     val = [m["val/loss"] for m in read_metrics(run_dir) if "val/loss" in m]
     summary = {
         "sft/trainable_params": float(trainable),
         "sft/trainable_fraction": trainable / total,
         "sft/heldout_loss_before": val[0],
         "sft/heldout_loss_after": val[-1],
-        "sft/exact_match_before": exact_match(base_model(base), tokenizer_dir, examples),
-        "sft/exact_match_after": exact_match(tuned_model, tokenizer_dir, examples),
+        "sft/exact_match_before": match_before,
+        "sft/exact_match_after": exact_match(tuned_model, tokenizer, examples),
         "export/max_abs_logit_diff": verification["max_abs_logit_diff"],
     }
     meta = ckpt.read_meta(final)
