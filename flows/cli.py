@@ -309,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--samples", type=int, default=3, help="documents to decode")
     inspect.add_argument("--max-chars", type=int, default=4000, help="truncate the printed manifest")
     inspect.set_defaults(handler=cmd_data_inspect)
+
+    from flows.cli_scaling import add_scaling_commands
+
+    add_scaling_commands(commands, add_set_argument)
     return parser
 
 

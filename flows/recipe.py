@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from data_pipeline.config import DataConfig
 from infra.tracking import TrackingConfig
-from training.config import FinetuneConfig, OptimConfig, ParallelConfig, TrainConfig
+from training.config import FinetuneConfig, OptimConfig, ParallelConfig, SweepConfig, TrainConfig
 from training.model import ModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -42,6 +42,7 @@ class Recipe(BaseModel):
     data: DataConfig = DataConfig()
     tracking: TrackingConfig = TrackingConfig()
     finetune: FinetuneConfig = FinetuneConfig()
+    sweep: SweepConfig = SweepConfig()
 
     @model_validator(mode="after")
     def _check_across_slices(self) -> Recipe:
@@ -80,8 +81,10 @@ class Recipe(BaseModel):
         return self
 
     def digest(self) -> str:
-        """sha256 of the canonical JSON of the resolved recipe (used in output names and run tags)."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        """sha256 of the canonical JSON of the resolved recipe, less where runs are recorded (used in run tags)."""
+        canonical = json.dumps(
+            self.model_dump(mode="json", exclude={"tracking"}), sort_keys=True, separators=(",", ":")
+        )
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 

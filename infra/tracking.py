@@ -26,6 +26,8 @@ class TrackingConfig(BaseModel):
     enabled: bool = True
     uri: str | None = None
     experiment: str = "lmforge"
+    parent_run_id: str | None = None  # nest this stage's run under a pipeline or sweep run
+    tags: dict[str, str] = {}  # extra tags on every run (e.g. the Prefect flow-run id)
 
 
 def tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
@@ -54,6 +56,9 @@ def start_run(
     client = mlflow.MlflowClient(tracking_uri(cfg, output_dir))
     if run_id is not None:
         return run_id
+    tags = {**cfg.tags, **tags}
+    if cfg.parent_run_id:
+        tags["mlflow.parentRunId"] = cfg.parent_run_id
     run = client.create_run(_experiment_id(cfg, output_dir), run_name=run_name, tags=tags)
     return run.info.run_id
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,3 +38,17 @@ def tokenized(small_data_cfg, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("outputs")
     return run_tokenize(small_data_cfg, root), root
+
+
+SHARED = Path(os.environ.get("LMFORGE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+
+
+def shared_file(relative: str) -> Path:
+    """A reference file under ../shared/: missing data fails the test when CI=true and skips it elsewhere."""
+    path = SHARED / relative
+    if not path.is_file():
+        message = f"reference data {path} is missing (set LMFORGE_SHARED to the shared/ checkout)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path

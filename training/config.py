@@ -128,3 +128,27 @@ class FinetuneConfig(BaseModel):
         global_batch_size=None, max_steps=200, eval_every=50, checkpoint_every=100
     )
     eval_examples: PositiveInt = 64  # held-out prompts for exact match before and after
+
+
+class SweepConfig(BaseModel):
+    """A scaling sweep: for each compute budget C and model size (depth dial), a run of D = C / (6·N) tokens.
+
+    N counts the parameters in matrix multiplies per token (active parameters for MoE), so C matches the
+    6·N·D FLOPs the run performs. An optional learning-rate grid multiplies the trials; `scheduler: asha`
+    stops poor learning rates early (those runs are kept out of the fits).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budgets: list[PositiveFloat] = Field(default_factory=list)  # training FLOPs per trial
+    depths: list[PositiveInt] = Field(default_factory=list)  # model.depth values (size dial)
+    lrs: list[PositiveFloat] = Field(default_factory=list)  # empty: the recipe's optim.lr
+    min_steps: PositiveInt = 10  # (budget, size) pairs giving fewer optimizer steps are left out
+    max_concurrent: PositiveInt = 1  # trials at once (on a 2-vCPU machine, 1)
+    cpus_per_trial: PositiveFloat = 1.0
+    gpus_per_trial: float = Field(0.0, ge=0)
+    scheduler: Literal["fifo", "asha"] = "fifo"
+    grace_steps: PositiveInt = 20  # ASHA: steps before a trial can be stopped
+    reduction_factor: float = Field(3.0, gt=1)
+    report_every: PositiveInt = 10  # steps between reports to Tune
+    target_budget: PositiveFloat | None = None  # the fit's compute-optimal size is chosen for this budget

@@ -15,6 +15,18 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def ensure_ray(min_cpus: int = 1) -> None:
+    """Connect to the cluster at `RAY_ADDRESS`, or start a local one with at least `min_cpus` logical CPUs."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+    else:
+        ray.init(num_cpus=max(min_cpus, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+
+
 def run_workers(
     worker: Callable[[dict[str, Any]], None],
     spec: dict[str, Any],
@@ -29,17 +41,10 @@ def run_workers(
     Without a running cluster (`RAY_ADDRESS` unset) a local one is started with enough logical CPUs. Worker
     failures restart all workers up to `max_failures` times; they resume from the newest complete checkpoint.
     """
-    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init()
-        else:
-            ray.init(
-                num_cpus=max(workers + 1, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True
-            )
+    ensure_ray(workers + 1)
     scaling = ScalingConfig(
         num_workers=workers, use_gpu=use_gpu, resources_per_worker=None if use_gpu else {"CPU": 1}
     )

@@ -78,7 +78,9 @@ def data_digest(data: DatasetManifest) -> str:
 
 def run_key(recipe: Any, data: DatasetManifest) -> dict[str, Any]:
     """What determines the trained weights: everything but data, fine-tuning, tracking and output settings."""
-    config = recipe.model_dump(mode="json", exclude={"data", "tracking", "output_dir", "name", "finetune"})
+    config = recipe.model_dump(
+        mode="json", exclude={"data", "tracking", "output_dir", "name", "finetune", "sweep"}
+    )
     config["parallel"].pop("threads_per_worker", None)
     return {"version": PRETRAIN_VERSION, "config": config, "data": data_digest(data)}
 

@@ -14,6 +14,7 @@ MODEL_CODE = ("training/model.py", "training/moe.py", "training/sampling.py", "t
 OWNERS = {
     "deepspeed": {"training/parallel.py"},
     "ray.train": {"training/launch.py"},
+    "ray.tune": {"training/sweep.py"},
     "mlflow": {"infra/"},
     "prefect": {"flows/", "infra/"},
 }

@@ -1,0 +1,108 @@
+"""The scaling sweep with real Ray Tune trials, each a DeepSpeed pretraining run tracked in MLflow."""
+
+from __future__ import annotations
+
+import mlflow
+import pyarrow.parquet as pq
+import pytest
+
+from data_pipeline.tokenize import run_tokenize
+from flows.recipe import load_recipe
+from infra.tracking import tracking_uri
+from tests.pretrain_helpers import smoke_overrides
+from training.sweep import plan_trials, run_sweep
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def sweep_setup(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    recipe = load_recipe("smoke", smoke_overrides(out, "sweep.budgets=[5e9,1e10]", "sweep.depths=[1,2]"))
+    data = run_tokenize(recipe.data, recipe.output_dir)
+    seen = []
+    result = run_sweep(
+        recipe, data, progress=lambda done, total, row: seen.append((done, total, row["status"]))
+    )
+    return recipe, data, result, seen
+
+
+def test_sweep_trains_every_trial_and_writes_the_table(sweep_setup):
+    recipe, _, result, seen = sweep_setup
+    plans, _ = plan_trials(recipe)
+    rows = pq.read_table(result.results).to_pylist()
+    assert len(rows) == len(plans) == result.n_trials == result.n_completed == 4
+    for plan, row in zip(plans, rows, strict=True):
+        assert row["status"] == "completed"
+        assert row["N"] == plan.n_active and row["D"] == plan.tokens and row["steps"] == plan.steps
+        assert row["C"] == pytest.approx(6 * row["N"] * row["D"])
+        assert row["C"] == pytest.approx(plan.budget, rel=0.1)  # whole steps round the token count
+        assert 3.0 < row["loss"] < 6.5 and row["best_val_loss"] <= row["loss"] + 1e-9
+        assert row["tokens_per_s"] > 0 and row["wall_seconds"] > 0
+    # at the same budget the smaller model sees more tokens
+    by_budget = {}
+    for row in rows:
+        by_budget.setdefault(row["budget"], []).append(row)
+    for group in by_budget.values():
+        small, large = sorted(group, key=lambda r: r["N"])
+        assert small["D"] > large["D"]
+    assert [s[0] for s in seen] == [1, 2, 3, 4] and all(s[1] == 4 for s in seen)
+    assert result.overhead is not None and result.overhead > 1.0
+
+
+def test_trials_are_nested_mlflow_runs_under_the_sweep(sweep_setup):
+    recipe, _, result, _ = sweep_setup
+    client = mlflow.MlflowClient(tracking_uri(recipe.tracking, recipe.output_dir))
+    parent = client.get_run(result.mlflow_run_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["sweep/completed"] == 4
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{result.mlflow_run_id}'"
+    )
+    rows = pq.read_table(result.results).to_pylist()
+    assert sorted(r.info.run_id for r in children) == sorted(r["mlflow_run_id"] for r in rows)
+    assert all(r.info.status == "FINISHED" for r in children)
+    assert [a.path for a in client.list_artifacts(result.mlflow_run_id)] == ["results.parquet"]
+
+
+def test_rerun_skips_finished_work(sweep_setup):
+    recipe, data, result, _ = sweep_setup
+    again = run_sweep(recipe, data)
+    assert again == result  # the finished sweep is returned as is
+
+
+def test_rerun_after_a_lost_sweep_manifest_reuses_finished_trials(sweep_setup):
+    recipe, data, result, _ = sweep_setup
+    from pathlib import Path
+
+    (Path(result.sweep_dir) / "manifest.json").unlink()
+    again = run_sweep(recipe, data)
+    assert again.wall_seconds == 0.0 and again.trial_seconds == 0.0  # no trial ran
+    assert (
+        pq.read_table(again.results).column("loss").to_pylist()
+        == pq.read_table(result.results).column("loss").to_pylist()
+    )
+    assert again.mlflow_run_id == result.mlflow_run_id
+
+
+def test_asha_stops_poor_learning_rates_early(tmp_path):
+    recipe = load_recipe(
+        "smoke",
+        smoke_overrides(
+            tmp_path,
+            "sweep.budgets=[1e10]",
+            "sweep.depths=[1]",
+            "sweep.lrs=[3e-3,1e-5,3e-6,1e-6]",
+            "sweep.scheduler=asha",
+            "sweep.grace_steps=10",
+            "sweep.report_every=5",
+            "sweep.reduction_factor=2",
+            "tracking.enabled=false",
+        ),
+    )
+    result = run_sweep(recipe, run_tokenize(recipe.data, recipe.output_dir))
+    rows = pq.read_table(result.results).to_pylist()
+    assert result.n_stopped >= 1 and result.n_completed >= 1
+    stopped = [r for r in rows if r["status"] == "stopped"]
+    assert all(r["loss"] is None and r["lr"] < 3e-3 for r in stopped)
+    assert any(r["status"] == "completed" and r["lr"] == 3e-3 for r in rows)

@@ -1,0 +1,184 @@
+"""Scaling-law fits on synthetic tables: recovery of a known law, Approach 2, and the refusals for bad tables."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pytest
+
+from evaluation.chinchilla_fit import Law, batched_lbfgs, batched_objective, bootstrap, fit_law, grid_starts
+from evaluation.isoflop import fit_parabolas
+from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points, points_from_table
+from evaluation.scaling_report import run_fit_scaling
+
+TRUE = Law(E=1.7, A=400.0, B=1500.0, alpha=0.34, beta=0.30)
+COARSE = grid_starts()[::7]  # 643 starts: enough for these tests, a few times faster than the full grid
+
+
+def isoflop_points(law: Law, budgets=(1e18, 1e19, 1e20, 1e21), sizes=8, noise=0.005, seed=0) -> ScalingPoints:
+    """IsoFLOP design: per budget, `sizes` model sizes around the law's optimum, losses with lognormal noise."""
+    rng = np.random.default_rng(seed)
+    n = np.concatenate([law.optimal_n(c) * np.geomspace(0.1, 10, sizes) for c in budgets])
+    c = np.repeat(budgets, sizes).astype(float)
+    d = c / (6 * n)
+    loss = law.loss(n, d) * np.exp(rng.normal(0, noise, len(n)))
+    return ScalingPoints(n, d, loss, c, n.copy(), source="synthetic")
+
+
+def test_recovers_known_law_from_noisy_points():
+    fit = fit_law(isoflop_points(TRUE), starts=COARSE)
+    got = fit.law
+    assert got.alpha == pytest.approx(TRUE.alpha, abs=0.03)
+    assert got.beta == pytest.approx(TRUE.beta, abs=0.03)
+    assert pytest.approx(TRUE.E, abs=0.05) == got.E
+    assert got.a == pytest.approx(TRUE.a, abs=0.03)
+    # the compute-optimal size at a 10x larger budget is within 30 % of the truth
+    assert float(got.optimal_n(1e22)) == pytest.approx(float(TRUE.optimal_n(1e22)), rel=0.3)
+
+
+def test_noiseless_points_are_fitted_exactly():
+    fit = fit_law(isoflop_points(TRUE, noise=0.0), starts=COARSE)
+    for k, v in TRUE.as_dict().items():
+        assert fit.law.as_dict()[k] == pytest.approx(v, rel=1e-3), k
+
+
+def test_optimal_n_minimises_the_law_along_an_isoflop_curve():
+    c = 1e21
+    n = np.geomspace(1e7, 1e12, 20001)
+    best = n[np.argmin(TRUE.loss(n, c / (6 * n)))]
+    assert float(TRUE.optimal_n(c)) == pytest.approx(best, rel=1e-3)
+    assert float(TRUE.optimal_n(c) * TRUE.optimal_d(c)) * 6 == pytest.approx(c)
+
+
+def test_batched_objective_gradient_matches_finite_differences():
+    pts = isoflop_points(TRUE)
+    args = (np.log(pts.n), np.log(pts.d), np.log(pts.loss), np.ones(len(pts)), 1e-2)
+    theta = np.array([[5.5, 7.0, 0.4, 0.3, 0.28]])
+    _, grad = batched_objective(theta, *args)
+    eps = 1e-6
+    for i in range(5):
+        step = np.zeros_like(theta)
+        step[0, i] = eps
+        fd = (batched_objective(theta + step, *args)[0] - batched_objective(theta - step, *args)[0]) / (
+            2 * eps
+        )
+        assert grad[0, i] == pytest.approx(fd[0], rel=1e-4, abs=1e-6)
+
+
+def test_batched_lbfgs_solves_independent_quadratics():
+    centres = np.array([[1.0, -2.0], [3.0, 0.5], [-1.0, 4.0]])
+
+    def fun(x, rows):
+        diff = x - centres[rows]
+        return (diff**2 * [1.0, 10.0]).sum(1), 2 * diff * [1.0, 10.0]
+
+    x, f, converged = batched_lbfgs(fun, np.zeros((3, 2)), gtol=1e-10)
+    np.testing.assert_allclose(x, centres, atol=1e-8)
+    assert converged.all()
+
+
+def test_bootstrap_intervals_cover_the_truth():
+    pts = isoflop_points(TRUE, noise=0.01, seed=3)
+    fit = fit_law(pts, starts=COARSE)
+    boot = bootstrap(pts, fit.law, n_resamples=300)
+    for name in ("alpha", "beta", "E"):
+        lo, hi = boot.interval(name)
+        assert lo < TRUE.as_dict()[name] < hi, (name, lo, hi)
+        assert lo < fit.law.as_dict()[name] < hi
+
+
+def test_approach2_recovers_optimal_size_exponent():
+    iso = fit_parabolas(isoflop_points(TRUE, sizes=9, noise=0.0))
+    assert len(iso.parabolas) == 4 and not iso.skipped
+    # a parabola in log N only approximates the law's IsoFLOP curve, so allow a few percent
+    assert iso.n_opt.exponent == pytest.approx(TRUE.a, abs=0.03)
+    assert iso.d_opt.exponent == pytest.approx(TRUE.b, abs=0.03)
+
+
+def test_run_fit_scaling_writes_fit_json_and_plots(tmp_path):
+    pts = isoflop_points(TRUE, noise=0.003)
+    table = pa.table({"N": pts.n, "D": pts.d, "loss": pts.loss})
+    csv = tmp_path / "runs.csv"
+    pacsv.write_csv(table, csv)
+    fit = run_fit_scaling(csv, tmp_path / "fit", target_budget=1e22, n_bootstrap=200, starts=COARSE)
+    saved = json.loads((tmp_path / "fit" / "fit.json").read_text())
+    assert saved["law"]["alpha"] == pytest.approx(fit.law["alpha"])
+    assert saved["optimal"]["budget"] == 1e22
+    assert saved["holdout"]["n_test"] == 8 and saved["holdout"]["mean_rel_error"] < 0.02
+    for name in ("isoflop.png", "contours.png", "residuals.png"):
+        assert (tmp_path / "fit" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- bad input ------------------------------------------------------------------------------------------
+
+
+def _table(**cols) -> pa.Table:
+    return pa.table({k: np.asarray(v, dtype=float) for k, v in cols.items()})
+
+
+def test_fewer_points_than_parameters_is_refused():
+    pts = points_from_table(_table(N=[1e8, 2e8, 4e8, 8e8], D=[1e9, 2e9, 1e9, 3e9], loss=[3.0, 2.9, 2.8, 2.7]))
+    with pytest.raises(ScalingDataError, match=r"4 usable runs; a fit of 5 parameters needs at least 6"):
+        fit_law(pts, starts=COARSE)
+
+
+@pytest.mark.parametrize("column", ["N", "D"])
+def test_degenerate_design_is_named(column):
+    n = np.full(8, 1e8) if column == "N" else np.geomspace(1e7, 1e9, 8)
+    d = np.full(8, 1e10) if column == "D" else np.geomspace(1e9, 1e11, 8)
+    pts = points_from_table(_table(N=n, D=d, loss=np.linspace(3, 2.5, 8)))
+    with pytest.raises(ScalingDataError, match="degenerate design"):
+        fit_law(pts, starts=COARSE)
+
+
+def test_non_finite_and_non_positive_losses_are_dropped_with_a_count(tmp_path):
+    pts = isoflop_points(TRUE)
+    loss = pts.loss.copy()
+    loss[[0, 5, 9]] = [np.nan, -1.0, np.inf]
+    table = tmp_path / "t.csv"
+    pacsv.write_csv(_table(N=pts.n, D=pts.d, loss=loss), table)
+    got = load_points(table)
+    assert got.dropped == 3 and len(got) == len(pts) - 3
+    fit = fit_law(got, starts=COARSE)
+    assert fit.n_points == len(pts) - 3
+
+
+def test_too_few_left_after_dropping_is_refused():
+    pts = points_from_table(
+        _table(
+            N=np.geomspace(1e7, 1e9, 7), D=np.geomspace(1e9, 1e11, 7), loss=[3, 2.9, np.nan, 0, -2, 2.5, 2.4]
+        )
+    )
+    with pytest.raises(ScalingDataError, match=r"4 usable runs \(3 dropped"):
+        fit_law(pts, starts=COARSE)
+
+
+def test_budget_with_fewer_than_three_sizes_is_skipped_with_a_reason():
+    good = isoflop_points(TRUE, budgets=(1e18, 1e19), sizes=5)
+    n = np.concatenate([good.n, [1e8, 2e8]])
+    c = np.concatenate([good.c, [1e21, 1e21]])
+    pts = ScalingPoints(n, c / (6 * n), TRUE.loss(n, c / (6 * n)), c, n)
+    iso = fit_parabolas(pts)
+    assert len(iso.parabolas) == 2
+    assert iso.skipped == ["budget 1e+21 FLOPs: 2 model size(s), a parabola needs 3"]
+
+
+def test_no_usable_budget_for_approach2_is_an_error():
+    n = np.array([1e8, 2e8, 1e8, 2e8])
+    c = np.array([1e19, 1e19, 1e20, 1e20])
+    pts = ScalingPoints(n, c / (6 * n), np.array([3.0, 2.9, 2.7, 2.6]), c, n)
+    with pytest.raises(ScalingDataError, match="train at least 3 sizes per compute budget"):
+        fit_parabolas(pts)
+
+
+def test_missing_columns_are_named():
+    with pytest.raises(ScalingDataError, match="no column for loss"):
+        points_from_table(pa.table({"N": [1.0], "D": [2.0], "val": [3.0]}))
+
+
+def test_flops_column_derives_tokens():
+    pts = points_from_table(pa.table({"Model Size": [1e8], "Training FLOP": [6e18], "loss": [3.0]}))
+    assert pts.d[0] == pytest.approx(1e10)
