@@ -16,7 +16,7 @@ import os
 import re
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from glob import glob
 from pathlib import Path
 
@@ -39,6 +39,7 @@ class DataError(ValueError):
 class Document:
     doc_id: str  # stable across runs: "<source>:<relative path>[:<line or row>]"
     text: str
+    source: str = ""  # the data.sources entry it came from (per-source evaluation)
 
 
 @dataclass
@@ -177,7 +178,7 @@ class Corpus:
                     self.stats.empty_skipped += 1
                     continue
                 self.stats.documents += 1
-                yield doc
+                yield replace(doc, source=source.label)
                 if limit is not None and self.stats.documents >= limit:
                     return
 

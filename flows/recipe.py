@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from data_pipeline.config import DataConfig
+from evaluation.config import EvalConfig
 from infra.tracking import TrackingConfig
 from training.config import FinetuneConfig, OptimConfig, ParallelConfig, SweepConfig, TrainConfig
 from training.model import ModelConfig
@@ -43,6 +44,7 @@ class Recipe(BaseModel):
     tracking: TrackingConfig = TrackingConfig()
     finetune: FinetuneConfig = FinetuneConfig()
     sweep: SweepConfig = SweepConfig()
+    eval: EvalConfig = EvalConfig()
 
     @model_validator(mode="after")
     def _check_across_slices(self) -> Recipe:

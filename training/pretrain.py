@@ -79,7 +79,7 @@ def data_digest(data: DatasetManifest) -> str:
 def run_key(recipe: Any, data: DatasetManifest) -> dict[str, Any]:
     """What determines the trained weights: everything but data, fine-tuning, tracking and output settings."""
     config = recipe.model_dump(
-        mode="json", exclude={"data", "tracking", "output_dir", "name", "finetune", "sweep"}
+        mode="json", exclude={"data", "tracking", "output_dir", "name", "finetune", "sweep", "eval"}
     )
     config["parallel"].pop("threads_per_worker", None)
     return {"version": PRETRAIN_VERSION, "config": config, "data": data_digest(data)}

@@ -1,0 +1,233 @@
+"""Stage 5: `run_eval(recipe, models) -> EvalReport`, several models side by side (base vs SFT vs LoRA).
+
+Held-out loss / perplexity / bits per byte per source, downstream tasks (built-in and JSONL), optional
+lm-evaluation-harness tasks, greedy and sampled continuations, weight spectra, MoE expert load; written as
+report.json + report.md + plots into a content-addressed directory and logged to its own MLflow run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from evaluation.heldout import heldout_documents, heldout_metrics
+from evaluation.model_io import EvalModel, load_for_eval
+from evaluation.scoring import generate_text
+from evaluation.spectra import expert_load, load_imbalance, lora_spectra, weight_spectra
+from evaluation.tasks import Task, load_task, run_task, sft_heldout_task, stdlib_import_task
+from infra.storage import MANIFEST, atomic_write_bytes, atomic_write_json, digest_of, sha256_file, stage_dir
+from infra.tracking import finish_run, make_tracker, start_run
+
+EVAL_VERSION = 1
+
+
+class EvalReport(BaseModel):
+    """One table (metric -> model -> value) plus samples, spectra summaries and where the files are."""
+
+    out_dir: str
+    models: dict[str, dict[str, Any]]  # name -> run_dir, kind, export verification, parameters
+    metrics: dict[str, dict[str, float | None]]
+    samples: dict[str, list[dict[str, str]]]
+    spectra: dict[str, dict[str, Any]]
+    mlflow_run_id: str | None
+
+    @classmethod
+    def load(cls, out_dir: str | Path) -> EvalReport:
+        return cls.model_validate_json((Path(out_dir) / "report.json").read_text())
+
+    def value(self, metric: str, model: str) -> float | None:
+        return self.metrics.get(metric, {}).get(model)
+
+
+def model_kind(ref: Any) -> str:
+    if ref.base_run_dir is None:
+        return "pretrain"
+    return "lora" if ref.adapter else "sft-full"
+
+
+def build_tasks(cfg: Any, sft_heldout: str | Path | None) -> list[Task]:
+    tasks: list[Task] = []
+    for spec in cfg.tasks:
+        if spec == "builtin":
+            tasks.append(stdlib_import_task(cfg.builtin_questions, seed=cfg.seed))
+            if sft_heldout is not None:
+                tasks.append(sft_heldout_task(sft_heldout, cfg.builtin_questions))
+        else:
+            tasks.append(load_task(spec))
+    return tasks
+
+
+def evaluate_model(
+    em: EvalModel, cfg: Any, docs: list, tasks: list[Task]
+) -> tuple[dict[str, float], list, dict]:
+    """Every metric, the samples and the spectra summary of one model."""
+    metrics: dict[str, float] = {}
+    t0 = time.perf_counter()
+    held = heldout_metrics(em, docs, cfg.batch_size)
+    metrics["eval/tokens_per_s"] = held["all"]["tokens"] / (time.perf_counter() - t0)
+    for source, values in held.items():
+        for key in ("loss", "perplexity", "bits_per_byte"):
+            metrics[f"heldout/{source}/{key}"] = values[key]
+    for task in tasks:
+        for key, value in run_task(em, task, cfg.batch_size, cfg.max_new_tokens).items():
+            metrics[f"{task.name}/{key}"] = value
+    if cfg.lm_eval_tasks:
+        from evaluation.lm_eval_adapter import run_lm_eval
+
+        for task, values in run_lm_eval(
+            em, cfg.lm_eval_tasks, cfg.lm_eval_include, cfg.lm_eval_limit, cfg.batch_size
+        ).items():
+            for key, value in values.items():
+                metrics[f"lm_eval/{task}/{key}"] = value
+    samples = []
+    for i, prompt in enumerate(cfg.prompts):
+        ids = em.tokenizer.encode(prompt).ids or [em.tokenizer_ref.eos_id]
+        greedy, _ = generate_text(em.model, ids, cfg.max_new_tokens, em.tokenizer_ref.eos_id)
+        sampled, _ = generate_text(
+            em.model, ids, cfg.max_new_tokens, em.tokenizer_ref.eos_id, cfg.temperature, cfg.seed + i
+        )
+        samples.append(
+            {"prompt": prompt, "greedy": em.tokenizer.decode(greedy), "sampled": em.tokenizer.decode(sampled)}
+        )
+    spectra: dict[str, Any] = {}
+    if cfg.spectra:
+        weights = weight_spectra(em.model)
+        spectra["weights"] = {
+            k: {"effective_rank": v["effective_rank"], "shape": v["shape"]} for k, v in weights.items()
+        }
+        spectra["singular_values"] = {
+            k: v["singular_values"] for k, v in weights.items() if "singular_values" in v
+        }
+        if em.ref.adapter:
+            lora = lora_spectra(em.ref.adapter)
+            spectra["lora"] = lora
+            metrics["lora/mean_effective_rank"] = sum(v["effective_rank"] for v in lora.values()) / len(lora)
+    if em.model.cfg.moe is not None:
+        batch = [t[0] for t in _doc_batches(em, docs)]
+        load = expert_load(em.model, batch)
+        spectra["expert_load"] = load
+        for layer, shares in load.items():
+            metrics[f"moe/{layer}/load_imbalance"] = load_imbalance(shares)
+    return metrics, samples, spectra
+
+
+def _doc_batches(em: EvalModel, docs: list, n: int = 4) -> list:
+    import torch
+
+    out = []
+    for doc in docs[:n]:
+        ids = em.tokenizer.encode(doc.text).ids[: em.max_len]
+        if ids:
+            out.append((torch.tensor([ids]),))
+    return out
+
+
+def run_eval(
+    recipe: Any,
+    models: list[Any],
+    names: list[str] | None = None,
+    sft_heldout: str | Path | None = None,
+) -> EvalReport:
+    """Evaluate `models` (CheckpointRefs) with the recipe's `eval:` settings; cached by content."""
+    cfg = recipe.eval
+    names = names or [model_kind(ref) for ref in models]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must be distinct, got {names}; pass names=[...]")
+    key = {
+        "version": EVAL_VERSION,
+        "eval": cfg.model_dump(mode="json"),
+        "data": recipe.data.model_dump(mode="json"),
+        "models": {n: [r.run_dir, r.config_digest, r.step] for n, r in zip(names, models, strict=True)},
+        "sft_heldout": sha256_file(sft_heldout) if sft_heldout else None,
+        "tasks": {t: sha256_file(t) for t in cfg.tasks if t != "builtin"},
+    }
+    out = stage_dir(recipe.output_dir, "eval", recipe.name, key)
+    if (out / MANIFEST).is_file():
+        return EvalReport.load(out)
+    loaded = [load_for_eval(ref, name) for name, ref in zip(names, models, strict=True)]  # refuse before work
+    docs = heldout_documents(recipe.data, cfg.max_documents)
+    tasks = build_tasks(cfg, sft_heldout)
+    run_id = start_run(
+        recipe.tracking, recipe.output_dir, f"eval-{recipe.name}", None, {"lmforge.stage": "eval"}
+    )
+    tracker = make_tracker(recipe.tracking, recipe.output_dir, run_id, rank=0)
+    tracker.log_params(
+        {
+            "eval": cfg.model_dump(mode="json"),
+            "models": {n: r.run_dir for n, r in zip(names, models, strict=True)},
+        }
+    )
+    table: dict[str, dict[str, float | None]] = {}
+    samples, spectra, info = {}, {}, {}
+    for em in loaded:
+        metrics, samples[em.name], spectra[em.name] = evaluate_model(em, cfg, docs, tasks)
+        for metric, value in metrics.items():
+            table.setdefault(metric, {})[em.name] = value
+        info[em.name] = {
+            "run_dir": em.ref.run_dir,
+            "kind": model_kind(em.ref),
+            "hf_export": em.ref.hf_export,
+            "export_valid": em.ref.export_valid,
+            "max_abs_logit_diff": em.ref.max_abs_logit_diff,
+            "parameters": sum(p.numel() for p in em.model.parameters()),
+            "mlflow_run_id": em.ref.mlflow_run_id,
+        }
+        tracker.log_metrics({f"{em.name}/{k}": v for k, v in metrics.items() if v == v}, step=0)
+    out.mkdir(parents=True, exist_ok=True)
+    report = EvalReport(
+        out_dir=str(out.resolve()),
+        models=info,
+        metrics=table,
+        samples=samples,
+        spectra=spectra,
+        mlflow_run_id=run_id,
+    )
+    atomic_write_json(out / "report.json", report.model_dump(mode="json"))
+    atomic_write_bytes(out / "report.md", markdown(report).encode())
+    from evaluation.report_plots import write_report_plots
+
+    for path in [out / "report.json", out / "report.md", *write_report_plots(report, out)]:
+        tracker.log_artifact(path, "eval")
+    atomic_write_json(out / MANIFEST, {"version": EVAL_VERSION, "key": digest_of(key), "models": names})
+    finish_run(recipe.tracking, recipe.output_dir, run_id)
+    return report
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if abs(value) >= 1000 or value == int(value):
+        return f"{value:,.0f}"
+    return f"{value:.4f}"
+
+
+def markdown(report: EvalReport) -> str:
+    """The report as markdown: one table with models as columns, then samples."""
+    names = list(report.models)
+    lines = [
+        "# Evaluation report",
+        "",
+        "| metric | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for metric, values in report.metrics.items():
+        lines.append(f"| {metric} | " + " | ".join(_fmt(values.get(n)) for n in names) + " |")
+    lines += ["", "## Models", ""]
+    for name, info in report.models.items():
+        lines.append(
+            f"- **{name}** ({info['kind']}, {info['parameters']:,} parameters): `{info['run_dir']}`; export verified "
+            f"{info['export_valid']} (max |Δlogit| {info['max_abs_logit_diff']:.2e})"
+        )
+    lines += ["", "## Samples", ""]
+    for name, rows in report.samples.items():
+        lines.append(f"### {name}")
+        for row in rows:
+            lines += [
+                f"- prompt `{row['prompt']!r}`",
+                f"  - greedy: `{row['greedy']!r}`",
+                f"  - sampled: `{row['sampled']!r}`",
+            ]
+    return "\n".join(lines) + "\n"

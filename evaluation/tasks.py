@@ -1,0 +1,198 @@
+"""Downstream tasks from local JSONL files, and the built-in suite that the demo data makes meaningful.
+
+Task file format (one JSON object per line; the file name is the task name):
+
+    {"prompt": "from os.path import", "choices": [" join", " loads", " sleep"], "answer": 0}   # multiple choice
+    {"prompt": "Q: 2+2=\\nA:", "target": " 4", "stop": ["\\n"]}                                  # generation
+
+Multiple choice is scored by log-likelihood: accuracy, and accuracy normalised by each choice's length in bytes
+(lm-eval's acc_norm). Generation is greedy and scored by exact match after trimming whitespace; its
+log-likelihood of the target (response loss, nats per token) is reported too.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from data_pipeline.sources import DataError, stdlib_files, stdlib_root
+from data_pipeline.tokenizer import END_OF_TURN
+from evaluation.model_io import EvalModel
+from evaluation.scoring import generate_text, score_continuations
+
+
+@dataclass(frozen=True)
+class Item:
+    prompt: str
+    choices: tuple[str, ...] = ()
+    answer: int = 0
+    target: str = ""
+    stop: tuple[str, ...] = ("\n",)
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    kind: Literal["mc", "gen"]
+    items: list[Item] = field(default_factory=list)
+
+
+def load_task(path: str | Path) -> Task:
+    """Read a task file; a malformed line is an error naming the file and the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"task file {path} does not exist")
+    items, kind = [], None
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{where}: not valid JSON ({error.msg})") from None
+        item, line_kind = _parse_item(record, where)
+        if kind is not None and line_kind != kind:
+            raise DataError(f"{where}: a {line_kind} item in a {kind} task; keep one kind per file")
+        kind = line_kind
+        items.append(item)
+    if not items:
+        raise DataError(
+            f"task file {path} has no items; add JSON lines with prompt + choices/answer or prompt + target"
+        )
+    return Task(path.stem, kind, items)
+
+
+def _parse_item(record: Any, where: str) -> tuple[Item, Literal["mc", "gen"]]:
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise DataError(f'{where}: each line needs a string "prompt"')
+    if "choices" in record:
+        choices, answer = record["choices"], record.get("answer")
+        if (
+            not isinstance(choices, list)
+            or len(choices) < 2
+            or not all(isinstance(c, str) and c for c in choices)
+        ):
+            raise DataError(f'{where}: "choices" must be a list of at least two non-empty strings')
+        if not isinstance(answer, int) or not 0 <= answer < len(choices):
+            raise DataError(
+                f'{where}: "answer" must be the index of the right choice (0..{len(choices) - 1})'
+            )
+        return Item(record["prompt"], tuple(choices), answer), "mc"
+    if isinstance(record.get("target"), str) and record["target"].strip():
+        stop = record.get("stop", ["\n"])
+        return Item(record["prompt"], target=record["target"], stop=tuple(stop)), "gen"
+    raise DataError(
+        f'{where}: give "choices" and "answer" (multiple choice) or a non-empty "target" (generation)'
+    )
+
+
+@lru_cache(maxsize=1)
+def stdlib_public_names() -> dict[str, tuple[str, ...]]:
+    """Public top-level functions and classes of each standard-library module."""
+    root, names = stdlib_root(), {}
+    for path in stdlib_files():
+        parts = path.relative_to(root).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if not parts or any(p.startswith("_") or p in ("test", "tests", "idlelib") for p in parts):
+            continue
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        public = tuple(
+            n.name
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef | ast.ClassDef) and not n.name.startswith("_")
+        )
+        if public:
+            names[".".join(parts)] = public
+    return names
+
+
+def stdlib_import_task(n_items: int, seed: int = 0, n_choices: int = 4) -> Task:
+    """ "from <module> import" + which name: one defined in the module, the others defined elsewhere."""
+    rng = random.Random(seed)
+    names = stdlib_public_names()
+    modules = sorted(names)
+    every = sorted({n for v in names.values() for n in v})
+    items = []
+    for module in rng.sample(modules, min(n_items, len(modules))):
+        own = set(names[module])
+        right = rng.choice(names[module])
+        wrong = []
+        while len(wrong) < n_choices - 1:
+            candidate = rng.choice(every)
+            if candidate not in own and candidate not in wrong:
+                wrong.append(candidate)
+        choices = [right, *wrong]
+        rng.shuffle(choices)
+        items.append(Item(f"from {module} import", tuple(f" {c}" for c in choices), choices.index(right)))
+    return Task("stdlib-import-mc", "mc", items)
+
+
+def sft_heldout_task(heldout_jsonl: str | Path, n_items: int) -> Task:
+    """The held-out SFT conversations: the chat prompt, the reference answer as the exact-match target."""
+    from data_pipeline.sft import render
+
+    items = []
+    for line in Path(heldout_jsonl).read_text().splitlines()[:n_items]:
+        messages = json.loads(line)["messages"]
+        prompt = render(messages[:-1])[0] + "<|assistant|>\n"
+        items.append(Item(prompt, target=messages[-1]["content"], stop=(END_OF_TURN,)))
+    return Task("sft-heldout-em", "gen", items)
+
+
+def _split_encode(em: EvalModel, prompt: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Context and continuation ids such that together they are the tokenization of the whole string."""
+    whole = em.tokenizer.encode(prompt + continuation).ids
+    context = em.tokenizer.encode(prompt).ids
+    if whole[: len(context)] == context and len(whole) > len(context):
+        return context or [em.tokenizer_ref.eos_id], whole[len(context) :]
+    return context or [em.tokenizer_ref.eos_id], em.tokenizer.encode(continuation).ids
+
+
+def run_task(em: EvalModel, task: Task, batch_size: int, max_new_tokens: int) -> dict[str, float]:
+    """The task's metrics for one model (plus `n` items and `truncated` prompts)."""
+    if task.kind == "mc":
+        requests, spans = [], []
+        for item in task.items:
+            spans.append((len(requests), len(item.choices)))
+            requests += [_split_encode(em, item.prompt, c) for c in item.choices]
+        scored = score_continuations(em.model, requests, batch_size)
+        acc = acc_norm = 0
+        for item, (start, count) in zip(task.items, spans, strict=True):
+            lp = [s.logprob for s in scored[start : start + count]]
+            norm = [v / len(c.encode()) for v, c in zip(lp, item.choices, strict=True)]
+            acc += max(range(count), key=lp.__getitem__) == item.answer
+            acc_norm += max(range(count), key=norm.__getitem__) == item.answer
+        n = len(task.items)
+        truncated = len(
+            {
+                i
+                for i, (start, count) in enumerate(spans)
+                if any(s.truncated for s in scored[start : start + count])
+            }
+        )
+        return {"acc": acc / n, "acc_norm": acc_norm / n, "n": n, "truncated": truncated}
+    hits = truncated = 0
+    requests = [_split_encode(em, item.prompt, item.target + item.stop[0]) for item in task.items]
+    for item, (context, _) in zip(task.items, requests, strict=True):
+        stop_id = em.tokenizer.token_to_id(item.stop[0])  # a special token (e.g. end of turn) ends generation
+        ids, cut = generate_text(
+            em.model, context, max_new_tokens, stop_id if stop_id is not None else em.tokenizer_ref.eos_id
+        )
+        text = em.tokenizer.decode(ids)
+        for stop in item.stop:
+            text = text.split(stop)[0]
+        hits += text.strip() == item.target.strip()
+        truncated += cut
+    scored = score_continuations(em.model, requests, batch_size)
+    response_loss = -sum(s.logprob for s in scored) / sum(s.n_tokens for s in scored)
+    n = len(task.items)
+    return {"exact_match": hits / n, "response_loss": response_loss, "n": n, "truncated": truncated}

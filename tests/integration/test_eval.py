@@ -1,0 +1,151 @@
+"""Evaluation of trained smoke models side by side, the lm-evaluation-harness adapter run through `lm_eval`
+itself, the MLflow pyfunc model and registry gates."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from data_pipeline.sft import run_sft_data
+from data_pipeline.tokenize import run_tokenize
+from data_pipeline.tokenizer import describe
+from evaluation.gates import gate_results
+from evaluation.lm_eval_adapter import run_lm_eval
+from evaluation.model_io import load_for_eval
+from evaluation.report import EvalReport, run_eval
+from evaluation.scoring import generate_text
+from evaluation.tasks import load_task, run_task
+from flows.recipe import load_recipe
+from infra.registry import register
+from infra.tracking import tracking_uri
+from tests.pretrain_helpers import smoke_overrides
+from training.finetune import run_sft
+from training.pretrain import run_pretrain
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+SETTINGS = [
+    "data.sft.max_examples=300",
+    "finetune.train.max_steps=24",
+    "finetune.train.eval_every=24",
+    "finetune.optim.lr=1e-2",
+    "eval.max_documents=20",
+    "eval.builtin_questions=20",
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    recipe = load_recipe("smoke", smoke_overrides(out, *SETTINGS))
+    base = run_pretrain(recipe, run_tokenize(recipe.data, recipe.output_dir))
+    sft_data = run_sft_data(
+        recipe.data.sft, describe(Path(base.hf_export)), recipe.finetune.train.seq_len, out
+    )
+    lora = run_sft(recipe, base, sft_data)
+    heldout = Path(sft_data.path) / "heldout.jsonl"
+    report = run_eval(recipe, [base, lora], sft_heldout=heldout)
+    return recipe, base, lora, heldout, report
+
+
+def test_report_compares_models_side_by_side(trained):
+    recipe, base, lora, _, report = trained
+    assert list(report.models) == ["pretrain", "lora"]
+    held = report.metrics["heldout/all/bits_per_byte"]
+    assert all(1.0 < v < 8.0 for v in held.values())
+    loss = report.metrics["heldout/all/loss"]["pretrain"]
+    assert report.metrics["heldout/all/perplexity"]["pretrain"] == pytest.approx(math.exp(loss))
+    # fine-tuning on the SFT set lowers its held-out response loss
+    rl = report.metrics["sft-heldout-em/response_loss"]
+    assert rl["lora"] < rl["pretrain"]
+    assert 0 <= report.metrics["stdlib-import-mc/acc"]["lora"] <= 1
+    assert report.metrics["lora/mean_effective_rank"]["lora"] <= recipe.finetune.lora.r
+    assert report.metrics["eval/tokens_per_s"]["pretrain"] > 0
+    assert set(report.samples) == {"pretrain", "lora"} and len(report.samples["lora"]) == len(
+        recipe.eval.prompts
+    )
+    out = Path(report.out_dir)
+    table = (out / "report.md").read_text()
+    assert "| metric | pretrain | lora |" in table and "heldout/all/bits_per_byte" in table
+    for name in ("metrics.png", "effective_rank.png", "lora_spectra.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert EvalReport.load(out) == report
+    assert run_eval(recipe, [base, lora], sft_heldout=trained[3]) == report  # cached
+
+
+def test_eval_run_is_in_mlflow(trained):
+    recipe, _, _, _, report = trained
+    client = mlflow.MlflowClient(tracking_uri(recipe.tracking, recipe.output_dir))
+    run = client.get_run(report.mlflow_run_id)
+    assert run.data.metrics["lora/heldout/all/bits_per_byte"] == pytest.approx(
+        report.metrics["heldout/all/bits_per_byte"]["lora"]
+    )
+    assert {a.path for a in client.list_artifacts(report.mlflow_run_id, "eval")} >= {
+        "eval/report.json",
+        "eval/report.md",
+        "eval/metrics.png",
+    }
+
+
+def test_lm_eval_harness_runs_a_local_task_and_agrees_with_ours(trained, tmp_path):
+    _, _, lora, _, _ = trained
+    items = [
+        {"prompt": f"from {m} import", "choices": [" join", " sleep", " dumps"], "answer": i}
+        for i, m in enumerate(["os.path", "time", "json"] * 4)
+    ]
+    data = tmp_path / "items.jsonl"
+    data.write_text("\n".join(json.dumps({**it, "answer": it["answer"] % 3}) for it in items))
+    (tmp_path / "stdlib_mc.yaml").write_text(
+        "task: lmforge_stdlib_mc\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{answer}}"\ndoc_to_choice: "{{choices}}"\n'
+        'target_delimiter: ""\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
+    em = load_for_eval(lora, "lora")
+    harness = run_lm_eval(em, ["lmforge_stdlib_mc"], str(tmp_path), None, 8)["lmforge_stdlib_mc"]
+    ours = run_task(em, load_task(data), batch_size=8, max_new_tokens=4)
+    assert harness["acc"] == pytest.approx(ours["acc"])
+    assert run_lm_eval(em, ["lmforge_stdlib_mc"], str(tmp_path), None, 8)["lmforge_stdlib_mc"] == harness
+
+
+def test_pyfunc_model_generates_and_registry_gates(trained):
+    recipe, base, lora, _, report = trained
+    gates = gate_results(report, "lora", "pretrain", lora, recipe.eval)
+    assert gates == {"export_verified": True, "beats_base:sft-heldout-em/response_loss": True}
+    version = register(
+        recipe.tracking, recipe.output_dir, lora, "lmforge-test", "candidate", gates, report.out_dir
+    )
+    assert version.alias == "candidate"
+    uri = tracking_uri(recipe.tracking, recipe.output_dir)
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model("models:/lmforge-test@candidate")
+    outputs = model.predict(["def ", "import os"])
+    assert isinstance(outputs, list) and len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
+    em = load_for_eval(lora, "lora")
+    ours, _ = generate_text(em.model, em.tokenizer.encode("def ").ids, 32, em.tokenizer_ref.eos_id)
+    assert outputs[0] == em.tokenizer.decode(ours)  # the pyfunc (transformers) generates what our model does
+    assert model.metadata.signature.params.to_dict()[0]["name"] == "max_new_tokens"
+    client = mlflow.MlflowClient(uri)
+    assert client.get_model_version("lmforge-test", version.version).tags["gate.export_verified"] == "true"
+    assert "eval_report" in {a.path for a in client.list_artifacts(lora.mlflow_run_id)}
+    # a failing gate registers a version but moves no alias; an unverified export is never registered
+    failed = register(
+        recipe.tracking, recipe.output_dir, base, "lmforge-test", "candidate", {"beats_base": False}
+    )
+    assert failed.alias is None
+    assert str(client.get_model_version_by_alias("lmforge-test", "candidate").version) == version.version
+    with pytest.raises(ValueError, match="failed verification"):
+        register(
+            recipe.tracking,
+            recipe.output_dir,
+            base.model_copy(update={"export_valid": False}),
+            "lmforge-test",
+            "candidate",
+            {},
+        )

@@ -1,0 +1,169 @@
+"""Evaluation building blocks on a tiny random model: scoring against transformers, task files and their
+errors, truncation reporting, the tokenizer check, effective rank."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline.sources import DataError
+from data_pipeline.tokenizer import describe
+from evaluation.model_io import EvalModel, load_export, load_for_eval
+from evaluation.scoring import rolling_windows, score_continuations
+from evaluation.spectra import effective_rank
+from evaluation.tasks import Task, load_task, run_task, stdlib_import_task
+from training.export import export_hf
+from training.model import ModelConfig, Transformer
+from training.pretrain import CheckpointRef
+
+CFG = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def export(tokenized, tmp_path_factory) -> tuple[Path, CheckpointRef]:
+    manifest, _ = tokenized
+    cfg = ModelConfig(vocab_size=manifest.tokenizer.vocab_size, **CFG)
+    model = Transformer(cfg, seed=3)
+    out = tmp_path_factory.mktemp("export") / "hf"
+    verification = export_hf(model.state_dict(), cfg, manifest.tokenizer.path, out)
+    ref = CheckpointRef(
+        run_dir=str(out.parent),
+        checkpoint="",
+        hf_export=str(out),
+        export_valid=verification["valid"],
+        max_abs_logit_diff=verification["max_abs_logit_diff"],
+        step=0,
+        final_val_loss=None,
+        tokenizer_digest=manifest.tokenizer.digest,
+        mlflow_run_id=None,
+        config_digest="x",
+        model=cfg.model_dump(),
+    )
+    return out, ref
+
+
+@pytest.fixture(scope="module")
+def em(export) -> EvalModel:
+    return load_for_eval(export[1], "tiny")
+
+
+def test_continuation_scores_equal_transformers(export, em):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(export[0]), dtype=torch.float32).eval()
+    requests = [
+        ([5, 9, 200], [17, 4]),
+        ([7], [300, 301, 302]),
+        (list(range(1, 40)), [11]),
+    ]  # the last is truncated
+    scored = score_continuations(em.model, requests, batch_size=2)
+    for (context, cont), s in zip(requests, scored, strict=True):
+        seq = (context + cont)[-(em.max_len + 1) :]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([seq[:-1]])).logits[0].float(), -1)
+        want = sum(float(logp[len(seq) - 1 - len(cont) + j, t]) for j, t in enumerate(cont))
+        assert s.logprob == pytest.approx(want, abs=1e-4)
+        assert s.n_tokens == len(cont)
+    assert [s.truncated for s in scored] == [False, False, True]
+
+
+def test_rolling_windows_predict_every_token_once():
+    windows = rolling_windows(list(range(10, 30)), start_id=0, window=8)
+    predicted = [t for _, cont in windows for t in cont]
+    assert predicted == list(range(10, 30))
+    assert all(len(ctx) == 1 and len(cont) <= 8 for ctx, cont in windows)
+
+
+def test_load_export_roundtrip(export, em):
+    again = load_export(export[0])
+    tokens = torch.randint(0, 100, (1, 8))
+    torch.testing.assert_close(again(tokens).logits, em.model(tokens).logits, rtol=0, atol=0)
+
+
+def test_tokenizer_mismatch_is_refused(export, tmp_path):
+    path, ref = export
+    copy = tmp_path / "hf"
+    shutil.copytree(path, copy)
+    data = json.loads((copy / "tokenizer.json").read_text())
+    data["added_tokens"].append({**data["added_tokens"][-1], "id": 99999, "content": "<|other|>"})
+    (copy / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(DataError, match="is not the tokenizer it was trained with"):
+        load_for_eval(ref.model_copy(update={"hf_export": str(copy)}), "x")
+    with pytest.raises(DataError, match="no verified Hugging Face export"):
+        load_for_eval(ref.model_copy(update={"export_valid": False}), "x")
+
+
+def test_multiple_choice_and_generation_tasks(em, tmp_path):
+    mc = tmp_path / "mc.jsonl"
+    mc.write_text(
+        "\n".join(
+            json.dumps({"prompt": "x =", "choices": [" 1", " 2", " 3"], "answer": i % 3}) for i in range(6)
+        )
+    )
+    result = run_task(em, load_task(mc), batch_size=4, max_new_tokens=4)
+    assert result["n"] == 6 and 0 <= result["acc"] <= 1 and result["truncated"] == 0
+    # the model's favourite choice is the same for every item, so accuracy is exactly 1/3
+    assert result["acc"] == pytest.approx(1 / 3)
+    gen = tmp_path / "gen.jsonl"
+    gen.write_text(
+        json.dumps({"prompt": "a" * 200, "target": " b"}) + "\n" + json.dumps({"prompt": "c", "target": " d"})
+    )
+    result = run_task(em, load_task(gen), batch_size=4, max_new_tokens=4)
+    assert (
+        result["n"] == 2 and result["truncated"] == 1
+    )  # the 200-character prompt exceeds the 32-token context
+    assert math.isfinite(result["response_loss"]) and result["response_loss"] > 0
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (
+            ['{"prompt": "a", "choices": [" x", " y"], "answer": 0}', "{not json"],
+            r"bad\.jsonl:2: not valid JSON",
+        ),
+        (
+            ['{"prompt": "a", "choices": [" x"], "answer": 0}'],
+            r"bad\.jsonl:1: \"choices\" must be a list of at least two",
+        ),
+        (
+            ['{"prompt": "a", "choices": [" x", " y"], "answer": 5}'],
+            r"bad\.jsonl:1: \"answer\" must be the index",
+        ),
+        (
+            ['{"prompt": "a", "target": " b"}', '{"prompt": "a", "choices": [" x", " y"], "answer": 0}'],
+            r"bad\.jsonl:2: a mc item in a gen task",
+        ),
+        (['{"text": "a"}'], r"bad\.jsonl:1: each line needs a string \"prompt\""),
+        (["", "  "], r"has no items"),
+    ],
+)
+def test_malformed_task_files_name_file_and_line(tmp_path, lines, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines))
+    with pytest.raises(DataError, match=message):
+        load_task(path)
+
+
+def test_builtin_stdlib_task_is_deterministic_and_well_formed():
+    a, b = stdlib_import_task(30, seed=1), stdlib_import_task(30, seed=1)
+    assert a == b and isinstance(a, Task) and len(a.items) == 30
+    for item in a.items:
+        assert item.prompt.startswith("from ") and len(set(item.choices)) == 4
+    assert stdlib_import_task(30, seed=2) != a
+
+
+def test_effective_rank():
+    assert effective_rank(torch.ones(8)) == pytest.approx(8.0)
+    assert effective_rank(torch.tensor([1.0, 0, 0, 0])) == pytest.approx(1.0)
+    w = torch.randn(16, 4) @ torch.randn(4, 16)
+    assert effective_rank(torch.linalg.svdvals(w)) <= 4 + 1e-6
+
+
+def test_describe_of_export_matches_training_tokenizer(export, tokenized):
+    assert describe(export[0]).digest == tokenized[0].tokenizer.digest
