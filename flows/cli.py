@@ -310,9 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--max-chars", type=int, default=4000, help="truncate the printed manifest")
     inspect.set_defaults(handler=cmd_data_inspect)
 
+    from flows.cli_eval import add_eval_command
     from flows.cli_scaling import add_scaling_commands
 
     add_scaling_commands(commands, add_set_argument)
+    add_eval_command(commands, add_set_argument)
     return parser
 
 
