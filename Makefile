@@ -24,9 +24,7 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(VENV)/bin/lmforge model summary demo
-	$(VENV)/bin/lmforge tokenize demo
-	$(VENV)/bin/lmforge pretrain demo
-	$(VENV)/bin/lmforge sft demo
+	$(VENV)/bin/lmforge pipeline demo
 
 test: install
 	$(PY) -m pytest -q tests

@@ -44,7 +44,8 @@ class Law:
     @classmethod
     def from_theta(cls, theta: np.ndarray) -> Law:
         a, b, e, alpha, beta = (float(x) for x in theta)
-        return cls(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=alpha, beta=beta)
+        with np.errstate(over="ignore"):
+            return cls(E=float(np.exp(e)), A=float(np.exp(a)), B=float(np.exp(b)), alpha=alpha, beta=beta)
 
     def theta(self) -> np.ndarray:
         return np.array([math.log(self.A), math.log(self.B), math.log(self.E), self.alpha, self.beta])
@@ -251,6 +252,7 @@ class Bootstrap:
     samples: dict[str, np.ndarray]  # parameter name -> (n,) fitted values
     n: int
     level: float
+    n_diverged: int = 0  # resamples whose fit ran off to infinity (left out of the intervals)
 
     def interval(self, name: str) -> tuple[float, float]:
         lo, hi = np.percentile(self.samples[name], [50 * (1 - self.level), 50 * (1 + self.level)])
@@ -286,7 +288,9 @@ def bootstrap(
             max_iter=max_iter,
             gtol=1e-6,
         )
-    laws = [Law.from_theta(t) for t in x]
+    # a resample of a small table can lose a whole size or budget and run off to infinity: keep finite fits
+    finite = np.all(np.isfinite(x), axis=1) & np.all(np.abs(x) < 100, axis=1)
+    laws = [Law.from_theta(t) for t in x[finite]]
     names = ("E", "A", "B", "alpha", "beta", "a", "b")
     samples = {k: np.array([law_.as_dict()[k] for law_ in laws]) for k in names}
-    return Bootstrap(samples, n_resamples, level)
+    return Bootstrap(samples, len(laws), level, n_resamples - len(laws))

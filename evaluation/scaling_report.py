@@ -44,6 +44,7 @@ class ScalingFit(BaseModel):
     fit_seconds: float
     intervals: dict[str, tuple[float, float]]
     n_bootstrap: int
+    n_bootstrap_diverged: int = 0
     approach2: dict[str, Any]
     optimal: ComputeOptimal
     holdout: dict[str, Any] | None
@@ -150,6 +151,7 @@ def run_fit_scaling(
         fit_seconds=fit_seconds,
         intervals=boot.intervals(),
         n_bootstrap=boot.n,
+        n_bootstrap_diverged=boot.n_diverged,
         approach2=approach2_summary(iso, iso_error),
         optimal=compute_optimal(points, result.law, boot.samples, budget),
         holdout=holdout_check(points, starts),

@@ -312,8 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from flows.cli_eval import add_eval_command
     from flows.cli_scaling import add_scaling_commands
+    from flows.cli_services import add_service_commands
 
     add_scaling_commands(commands, add_set_argument)
+    add_service_commands(commands, add_set_argument)
     add_eval_command(commands, add_set_argument)
     return parser
 

@@ -48,3 +48,34 @@ def fit_sweep(recipe: Any, sweep: SweepResult, n_bootstrap: int = 2000) -> Scali
     for name in (FIT_FILE, *PLOTS):
         tracker.log_artifact(out / name, "fit")
     return fit
+
+
+def size_for_budget(
+    recipe: Any, n_opt: float, budget: float, swept: tuple[float, float] | None = None, max_depth: int = 16
+) -> tuple[Any, str]:
+    """The recipe at the depth whose active parameter count is nearest N* (in log space), trained for
+    D = C / (6·N) tokens; returns it and a one-line explanation (which flags an N* outside the `swept` sizes)."""
+    from flows.recipe import validate_recipe
+    from training.accounting import count_parameters
+    from training.sweep import sized_model
+
+    candidates = []
+    for depth in range(1, max_depth + 1):
+        model = sized_model(recipe.model, depth)
+        candidates.append((abs(np.log(count_parameters(model).matmul_active / n_opt)), depth, model))
+    _, depth, model = min(candidates, key=lambda c: c[0])
+    n = count_parameters(model).matmul_active
+    tokens_per_step = recipe.train.global_batch(recipe.parallel.world_size) * recipe.train.seq_len
+    steps = max(1, round(budget / (6.0 * n) / tokens_per_step))
+    data = recipe.model_dump(mode="json")
+    data["model"] = model.model_dump(mode="json")
+    every = max(1, steps // 3)
+    data["train"] |= {"max_steps": steps, "eval_every": every, "checkpoint_every": every}
+    data["optim"] |= {"warmup_steps": min(recipe.optim.warmup_steps, max(1, steps // 10))}
+    note = (
+        f"C={budget:.3g} FLOPs: fitted N*={n_opt:.3g}; nearest size depth {depth} (N={n:,}), "
+        f"D={steps * tokens_per_step:,} tokens ({steps} steps, {steps * tokens_per_step / n:.1f} tokens/param)"
+    )
+    if swept and not swept[0] <= n_opt <= swept[1]:
+        note += f"; N* lies outside the swept sizes ({swept[0]:,.0f}–{swept[1]:,.0f}): an extrapolation, widen the sweep"
+    return validate_recipe(data), note

@@ -69,6 +69,19 @@ def register(
         raise ValueError("tracking is disabled (tracking.enabled=false); nothing to register into")
     uri = tracking_uri(tracking, output_dir)
     client = mlflow.MlflowClient(uri)
+    existing = _version_of(client, registered_name, ref.run_dir)
+    if existing is not None:  # a rerun of a finished pipeline: the same model is already registered
+        aliases = [a for a in existing.aliases if a == alias]
+        gates = {
+            k.removeprefix("gate."): v == "true" for k, v in existing.tags.items() if k.startswith("gate.")
+        }
+        return RegisteredVersion(
+            name=registered_name,
+            version=str(existing.version),
+            model_uri=existing.source,
+            alias=aliases[0] if aliases else None,
+            gates=gates,
+        )
     if report_dir is not None:
         client.log_artifacts(ref.mlflow_run_id, str(report_dir), "eval_report")
     model_uri = log_pyfunc(uri, ref.mlflow_run_id, ref.hf_export)
@@ -89,3 +102,14 @@ def register(
         alias=alias if passed else None,
         gates=gates,
     )
+
+
+def _version_of(client: Any, name: str, run_dir: str) -> Any:
+    """The registered version of `name` made from `run_dir`, if any."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = client.search_model_versions(f"name='{name}'")
+    except MlflowException:
+        return None
+    return next((v for v in versions if v.tags.get("lmforge.run_dir") == run_dir), None)

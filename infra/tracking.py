@@ -8,6 +8,7 @@ resumed training run keeps logging into the same MLflow run.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,12 @@ class TrackingConfig(BaseModel):
 
 
 def tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
-    return cfg.uri or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+    """`tracking.uri`, else $MLFLOW_TRACKING_URI (e.g. set by `lmforge up`), else sqlite under the outputs."""
+    return (
+        cfg.uri
+        or os.environ.get("MLFLOW_TRACKING_URI")
+        or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+    )
 
 
 def _experiment_id(cfg: TrackingConfig, output_dir: str | Path) -> str:
@@ -41,7 +47,8 @@ def _experiment_id(cfg: TrackingConfig, output_dir: str | Path) -> str:
     experiment = mlflow.get_experiment_by_name(cfg.experiment)
     if experiment is not None:
         return experiment.experiment_id
-    location = (Path(output_dir).resolve() / "mlartifacts").as_uri() if cfg.uri is None else None
+    local = tracking_uri(cfg, output_dir).startswith("sqlite:")
+    location = (Path(output_dir).resolve() / "mlartifacts").as_uri() if local else None
     return mlflow.create_experiment(cfg.experiment, artifact_location=location)
 
 
@@ -114,3 +121,50 @@ def finish_run(
     import mlflow
 
     mlflow.MlflowClient(tracking_uri(cfg, output_dir)).set_terminated(run_id, status=status)
+
+
+def log_dataset_input(
+    cfg: TrackingConfig,
+    output_dir: str | Path,
+    run_id: str | None,
+    name: str,
+    rows: list[dict[str, Any]],
+    source: str,
+    digest: str,
+) -> None:
+    """Record a dataset (one row per shard: file, sha256, tokens) as an MLflow input of `run_id`, by digest."""
+    if run_id is None or not cfg.enabled:
+        return
+    import mlflow
+    import pandas as pd
+
+    mlflow.set_tracking_uri(tracking_uri(cfg, output_dir))
+    dataset = mlflow.data.from_pandas(pd.DataFrame(rows), source=source, name=name, digest=digest[:36])
+    with mlflow.start_run(run_id=run_id):
+        mlflow.log_input(dataset, context="training")
+
+
+def set_run_tags(
+    cfg: TrackingConfig, output_dir: str | Path, run_id: str | None, tags: dict[str, str]
+) -> None:
+    if run_id is None or not cfg.enabled:
+        return
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri(cfg, output_dir))
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
+def run_url(
+    cfg: TrackingConfig, output_dir: str | Path, run_id: str | None, ui: str = "http://127.0.0.1:5000"
+) -> str:
+    """The run's page in the MLflow UI (served by `lmforge up` or `mlflow ui` at `ui`)."""
+    if run_id is None or not cfg.enabled:
+        return ""
+    import mlflow
+
+    uri = tracking_uri(cfg, output_dir)
+    base = uri if uri.startswith("http") else os.environ.get("LMFORGE_MLFLOW_UI", ui)
+    experiment = mlflow.MlflowClient(uri).get_run(run_id).info.experiment_id
+    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"

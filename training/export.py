@@ -37,6 +37,9 @@ def export_hf(
 ) -> dict:
     """Write a Hugging Face model directory from our fp32 state dict and verify it; returns the verification."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per tiny shard only clutters the logs
 
     staging = out.with_name(out.name + ".tmp")
     if staging.exists():

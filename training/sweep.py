@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.shards import DatasetManifest
 from infra.storage import MANIFEST, atomic_write_json, stage_dir
-from infra.tracking import finish_run, make_tracker, start_run
+from infra.tracking import finish_run, make_tracker, start_run, tracking_uri
 from training.accounting import count_parameters
 from training.launch import ensure_ray
 from training.model import ModelConfig
@@ -53,7 +53,7 @@ class TrialPlan(BaseModel):
 
     @property
     def name(self) -> str:
-        return f"C{self.budget:.0e}-d{self.depth}-lr{self.lr:g}".replace("+", "")
+        return f"C{self.budget:.3g}-d{self.depth}-lr{self.lr:g}".replace("+", "")
 
 
 class SweepResult(BaseModel):
@@ -124,6 +124,10 @@ def trial_recipe(recipe: Any, plan: TrialPlan, parent_run_id: str | None) -> Any
 
     data = recipe.model_dump(mode="json")
     data["name"] = f"{recipe.name}-sweep-{plan.name}"
+    # absolute: Tune runs trials in their own working directories
+    data["output_dir"] = str(Path(recipe.output_dir).resolve())
+    if recipe.tracking.enabled:
+        data["tracking"]["uri"] = tracking_uri(recipe.tracking, recipe.output_dir)
     data["model"] = plan.model
     data["train"] |= {"max_steps": plan.steps, "eval_every": plan.steps, "checkpoint_every": plan.steps}
     data["optim"] |= {"lr": plan.lr, "warmup_steps": min(recipe.optim.warmup_steps, max(1, plan.steps // 10))}

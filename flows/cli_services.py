@@ -1,0 +1,198 @@
+"""`lmforge pipeline | up | down | serve`: the whole DAG from the terminal, local services, UI deployments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+STATE_DIR = Path(".lmforge")
+
+
+@contextmanager
+def prefect_api(state_dir: Path) -> Iterator[str]:
+    """PREFECT_API_URL if set (a running server), else a temporary local server whose database persists in
+    `<state_dir>/prefect`, so the Prefect UI can show the runs afterwards."""
+    from infra.services import free_port, prefect_env, start_prefect, stop
+
+    if os.environ.get("PREFECT_API_URL"):
+        yield os.environ["PREFECT_API_URL"]
+        return
+    running = start_prefect(state_dir, port=free_port())
+    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
+    os.environ.update(PREFECT_API_URL=f"{running.url}/api", **prefect_env(state_dir))
+    try:
+        yield os.environ["PREFECT_API_URL"]
+    finally:
+        stop(running)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from flows.recipe import load_recipe
+    from infra.tracking import tracking_uri
+
+    recipe = load_recipe(args.recipe, args.set)  # refuse bad input before starting anything
+    params = {
+        "recipe": args.recipe,
+        "overrides": args.set,
+        "size": args.size,
+        "budget": args.budget,
+        "finetune": not args.no_finetune,
+        "register": not args.no_register,
+    }
+    state = Path(recipe.output_dir) / "services"
+    with prefect_api(state):
+        from flows.pipeline import PipelineParams, pipeline
+
+        summary = pipeline(PipelineParams(**params))
+    print_summary(summary)
+    uri = tracking_uri(recipe.tracking, recipe.output_dir)
+    print("\nReview the results:")
+    print(
+        f"  MLflow:  .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000   # then http://127.0.0.1:5000"
+    )
+    if not os.environ.get("PREFECT_API_URL"):
+        print(
+            f"  Prefect: PREFECT_HOME={(state / 'prefect').resolve()} .venv/bin/prefect server start   # then http://127.0.0.1:4200/runs"
+        )
+    return 0
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    if "law" in summary:
+        law, ci = summary["law"], summary["intervals"]
+        print(
+            f"\nScaling law: L(N,D) = {law['E']:.3f} + {law['A']:.4g}/N^{law['alpha']:.3f} + {law['B']:.4g}/D^{law['beta']:.3f}"
+            f"   (alpha 95% [{ci['alpha'][0]:.3f}, {ci['alpha'][1]:.3f}], beta [{ci['beta'][0]:.3f}, {ci['beta'][1]:.3f}])"
+        )
+        print(f"Chosen size: {summary['chosen']}")
+    if "eval" in summary:
+        print("\nEvaluation (last model; full table in " + summary["report"] + "):")
+        for metric, values in summary["eval"].items():
+            print(f"  {metric:<32} " + "   ".join(f"{name} {value:.4f}" for name, value in values.items()))
+    if "registered" in summary:
+        reg = summary["registered"]
+        print(
+            f"\nRegistered: {reg['name']} v{reg['version']} (alias: {reg['alias'] or 'not set, a gate failed'}; gates {reg['gates']})"
+        )
+    seconds = summary["stage_seconds"]
+    print(
+        "\nStage times: "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
+        + f"; total {summary['wall_seconds']:.0f} s, orchestration overhead {summary['orchestration_overhead']:.1%}"
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from infra.services import save_state, start_mlflow, start_prefect, start_ray
+
+    state = Path(args.state_dir)
+    outputs = Path(args.outputs).resolve()
+    outputs.mkdir(parents=True, exist_ok=True)
+    running = [start_prefect(state, args.host, args.prefect_port)]
+    try:
+        running.append(
+            start_mlflow(
+                state,
+                f"sqlite:///{outputs / 'mlflow.db'}",
+                outputs / "mlartifacts",
+                args.host,
+                args.mlflow_port,
+            )
+        )
+        if not args.no_ray:
+            running.append(start_ray(state, args.host, args.ray_port, args.ray_dashboard_port))
+    finally:
+        save_state(state, running)
+    urls = {r.name: r.url for r in running}
+    print(json.dumps(urls, indent=2))
+    print("\nPoint lmforge at them (then `lmforge serve` to get the Run buttons):")
+    print(f"  export PREFECT_API_URL={urls['prefect']}/api MLFLOW_TRACKING_URI={urls['mlflow']}")
+    if "ray" in urls:
+        print(
+            f"  export RAY_ADDRESS={args.host}:{args.ray_port or 6379}   # Ray Jobs / dashboard: {urls['ray']}"
+        )
+    print("Stop them with `lmforge down`.")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from infra.services import STATE_FILE, load_state, stop
+
+    state = Path(args.state_dir)
+    for running in load_state(state):
+        stop(running)
+        print(f"stopped {running.name} ({running.url})")
+    (state / STATE_FILE).unlink(missing_ok=True)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve every flow as a deployment so the Prefect UI's Run button works (blocks; Ctrl-C stops)."""
+    from infra.services import load_state
+
+    if not os.environ.get("PREFECT_API_URL"):
+        prefect = next((r for r in load_state(Path(args.state_dir)) if r.name == "prefect"), None)
+        if prefect is None:
+            raise ValueError("no Prefect server: run `lmforge up` first, or set PREFECT_API_URL")
+        os.environ["PREFECT_API_URL"] = f"{prefect.url}/api"
+    from prefect import serve
+
+    from flows.pipeline import FLOWS
+
+    serve(
+        *(f.to_deployment(name="lmforge", tags=["lmforge"]) for f in FLOWS.values()), pause_on_shutdown=False
+    )
+    return 0
+
+
+def add_service_commands(commands: Any, add_set_argument: Any) -> None:
+    pipe = commands.add_parser(
+        "pipeline", help="the whole DAG: tokenize, sweep, fit, pretrain, SFT, evaluate, register"
+    )
+    pipe.add_argument("recipe", help="recipe path or name in configs/")
+    pipe.add_argument(
+        "--size",
+        choices=["fit", "recipe"],
+        default="fit",
+        help="model size from the scaling fit (default) or the recipe",
+    )
+    pipe.add_argument(
+        "--budget",
+        type=float,
+        help="compute budget in FLOPs for the final model (default: sweep.target_budget)",
+    )
+    pipe.add_argument("--no-finetune", action="store_true")
+    pipe.add_argument("--no-register", action="store_true")
+    add_set_argument(pipe)
+    pipe.set_defaults(handler=cmd_pipeline)
+
+    for name, handler, text in (
+        ("up", cmd_up, "start Prefect, MLflow and a Ray head on 127.0.0.1"),
+        ("down", cmd_down, "stop what `up` started"),
+        ("serve", cmd_serve, "serve the flows as deployments (Prefect UI Run button)"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("--state-dir", default=str(STATE_DIR), help="where service logs and state live")
+        if name == "up":
+            sub.add_argument(
+                "--host", default="127.0.0.1", help="bind address (non-loopback needs authentication)"
+            )
+            sub.add_argument(
+                "--outputs", default="outputs", help="MLflow store: <outputs>/mlflow.db and mlartifacts/"
+            )
+            sub.add_argument("--prefect-port", type=int, default=4200)
+            sub.add_argument("--mlflow-port", type=int, default=5000)
+            sub.add_argument("--ray-port", type=int, default=6379)
+            sub.add_argument("--ray-dashboard-port", type=int, default=8265)
+            sub.add_argument("--no-ray", action="store_true")
+        sub.set_defaults(handler=handler)

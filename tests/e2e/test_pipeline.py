@@ -1,0 +1,261 @@
+"""The product as users see it: a real Prefect server and MLflow server on 127.0.0.1, the flows served as
+deployments, a pipeline run created through the Prefect API (what the UI's Run button does), MLflow lineage
+checked through the client, kill-and-rerun, and a headless-Chromium look at both UIs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from infra.services import free_port, start_mlflow, start_prefect, stop
+from infra.storage import sha256_file
+from tests.pretrain_helpers import clean_env, lmforge_command, smoke_overrides, with_sets
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+EVAL = ["eval.max_documents=20", "eval.builtin_questions=20", "data.sft.max_examples=300"]
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    state = tmp_path_factory.mktemp("services")
+    prefect = start_prefect(state, port=free_port())
+    store = tmp_path_factory.mktemp("mlstore")
+    ml = start_mlflow(state, f"sqlite:///{store / 'mlflow.db'}", store / "artifacts", port=free_port())
+    env = {**clean_env(), "PREFECT_API_URL": f"{prefect.url}/api", "MLFLOW_TRACKING_URI": ml.url}
+    yield prefect, ml, env, state
+    stop(ml)
+    stop(prefect)
+
+
+@pytest.fixture(scope="module")
+def served_run(services, tmp_path_factory):
+    """`lmforge serve` plus one pipeline flow run created through the Prefect API, completed."""
+    prefect, ml, env, state = services
+    out = tmp_path_factory.mktemp("pipeline")
+    log = open(state / "serve.log", "wb")  # noqa: SIM115 - closed at teardown
+    server = subprocess.Popen(
+        lmforge_command("serve", "--state-dir", str(state)),
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
+    try:
+        from prefect.deployments import run_deployment
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                flow_run = run_deployment(
+                    "pipeline/lmforge",
+                    parameters={"params": {"recipe": "smoke", "overrides": smoke_overrides(out, *EVAL)}},
+                    timeout=1200,
+                )
+                break
+            except Exception:  # noqa: BLE001 - the deployment is not registered yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+        yield flow_run, out, ml, prefect
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+        log.close()
+        os.environ.pop("PREFECT_API_URL", None)
+
+
+def test_pipeline_run_through_the_prefect_api_completes(served_run):
+    flow_run, _, _, _ = served_run
+    assert flow_run.state.is_completed(), flow_run.state
+
+
+def test_mlflow_holds_the_lineage(served_run):
+    flow_run, _, ml, _ = served_run
+    client = mlflow.MlflowClient(ml.url)
+    experiment = client.get_experiment_by_name("lmforge")
+    runs = client.search_runs([experiment.experiment_id], max_results=200)
+    parents = [r for r in runs if r.data.tags.get("lmforge.stage") == "pipeline"]
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "pipeline-smoke"
+    assert parent.data.tags["prefect.flow_run_id"] == str(flow_run.id)
+    children = {
+        r.data.tags.get("lmforge.stage"): r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+    }
+    assert set(children) >= {"sweep", "pretrain", "sft", "eval"}
+    sweep = children["sweep"]
+    trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == sweep.info.run_id]
+    assert len(trials) == 7 and all(r.data.tags["prefect.flow_run_id"] == str(flow_run.id) for r in trials)
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {
+        "recipe.json",
+        "data",
+        "tokenizer",
+        "pipeline_summary.json",
+    }
+    assert parent.inputs.dataset_inputs and parent.inputs.dataset_inputs[0].dataset.name == "tokens-smoke"
+    assert {a.path for a in client.list_artifacts(sweep.info.run_id, "fit")} >= {
+        "fit/fit.json",
+        "fit/isoflop.png",
+        "fit/contours.png",
+    }
+    assert "results.parquet" in {a.path for a in client.list_artifacts(sweep.info.run_id)}
+    assert "hf_export" in {a.path for a in client.list_artifacts(children["pretrain"].info.run_id)}
+    sft_artifacts = {a.path for a in client.list_artifacts(children["sft"].info.run_id)}
+    assert {"adapter", "hf_export", "eval_report"} <= sft_artifacts
+    assert "eval/report.md" in {a.path for a in client.list_artifacts(children["eval"].info.run_id, "eval")}
+    version = client.get_model_version_by_alias("lmforge-smoke", "candidate")
+    assert version.tags["gate.export_verified"] == "true"
+    assert Path(version.tags["lmforge.run_dir"]).parent.name == "sft"
+    mlflow.set_tracking_uri(ml.url)
+    model = mlflow.pyfunc.load_model("models:/lmforge-smoke@candidate")
+    assert isinstance(model.predict(["def "])[0], str)
+
+
+def test_stage_artifacts_are_published_to_prefect(served_run):
+    from prefect import get_client
+
+    flow_run, _, _, _ = served_run
+    import asyncio
+
+    async def keys() -> set[str]:
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        async with get_client() as client:
+            artifacts = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+            )
+        return {a.key for a in artifacts}
+
+    assert asyncio.run(keys()) >= {
+        "smoke-tokenize",
+        "smoke-sweep",
+        "smoke-fit",
+        "smoke-pretrain",
+        "smoke-evaluate",
+        "smoke-register",
+    }
+
+
+def test_invalid_parameters_are_refused_before_work(services):
+    from flows.pipeline import PipelineParams
+
+    with pytest.raises(ValueError, match="did you mean"):
+        PipelineParams(recipe="smoke", overrides=["train.max_stepz=3"])
+    with pytest.raises(ValueError, match="greater than 0"):
+        PipelineParams(recipe="smoke", budget=-1)
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "chromium"], check=True, capture_output=True, timeout=900
+        )
+        found = shutil.which("chromium")
+    assert found, "Chromium is missing and could not be installed (apt-get install chromium)"
+    return found
+
+
+def _browse(browser: str, url: str, screenshot: Path) -> str:
+    common = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--window-size=1400,900",
+        "--virtual-time-budget=20000",
+    ]
+    subprocess.run([*common, f"--screenshot={screenshot}", url], capture_output=True, timeout=120)
+    return subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+
+
+def test_browser_shows_the_run_in_both_uis(served_run, tmp_path):
+    from prefect import get_client
+
+    flow_run, _, ml, prefect = served_run
+    browser = _chromium()
+    import asyncio
+
+    async def deployment_id() -> str:
+        async with get_client() as client:
+            return str((await client.read_deployment_by_name("pipeline/lmforge")).id)
+
+    prefect_dom = _browse(
+        browser,
+        f"{prefect.url}/deployments/deployment/{asyncio.run(deployment_id())}",
+        tmp_path / "prefect.png",
+    )
+    assert "lmforge" in prefect_dom and "pipeline" in prefect_dom
+    client = mlflow.MlflowClient(ml.url)
+    experiment = client.get_experiment_by_name("lmforge")
+    parent = next(
+        r
+        for r in client.search_runs([experiment.experiment_id])
+        if r.data.tags.get("lmforge.stage") == "pipeline"
+    )
+    mlflow_dom = _browse(
+        browser,
+        f"{ml.url}/#/experiments/{experiment.experiment_id}/runs/{parent.info.run_id}",
+        tmp_path / "mlflow.png",
+    )
+    assert "pipeline-smoke" in mlflow_dom
+    for shot in ("prefect.png", "mlflow.png"):
+        assert (tmp_path / shot).stat().st_size > 10_000
+
+
+def test_killed_pipeline_resumes_and_matches_an_uninterrupted_run(services, tmp_path):
+    _, _, env, _ = services
+    env = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}  # embedded sqlite per output dir
+    train = ["train.max_steps=120", "train.checkpoint_every=20", "train.eval_every=60"]
+
+    def command(out: Path) -> list[str]:
+        return lmforge_command(
+            "pipeline",
+            "smoke",
+            "--size",
+            "recipe",
+            "--no-register",
+            *with_sets(smoke_overrides(out, *EVAL, *train)),
+        )
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + 600
+    while not list(killed.glob("pretrain/*/checkpoints/step-*/COMPLETE")):
+        assert proc.poll() is None, "the pipeline ended before pretraining checkpointed"
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not list(killed.glob("pretrain/*/manifest.json")), "killed too late: pretraining had finished"
+    tokens = next(killed.glob("tokenize/*/manifest.json"))
+    stamp = tokens.stat().st_mtime_ns
+    rerun = subprocess.run(command(killed), env=env, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert tokens.stat().st_mtime_ns == stamp  # tokenization was skipped
+    straight = tmp_path / "straight"
+    once = subprocess.run(command(straight), env=env, capture_output=True, text=True, timeout=900)
+    assert once.returncode == 0, once.stderr[-3000:]
+    for stage in ("pretrain", "sft"):
+        (a,) = killed.glob(f"{stage}/*/hf/model.safetensors")
+        (b,) = straight.glob(f"{stage}/*/hf/model.safetensors")
+        assert sha256_file(a) == sha256_file(b), stage
+    (ra,) = killed.glob("eval/*/report.json")
+    (rb,) = straight.glob("eval/*/report.json")
+    ma, mb = json.loads(ra.read_text())["metrics"], json.loads(rb.read_text())["metrics"]
+    ma.pop("eval/tokens_per_s")
+    mb.pop("eval/tokens_per_s")
+    assert ma == mb

@@ -1,0 +1,61 @@
+"""Static checks of the Prefect side: prefect.yaml matches the flows, parameter models render and validate,
+the service bind rules."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.pipeline import FLOWS, PipelineParams
+from infra.services import ServiceError, check_bind
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_prefect_yaml_declares_every_flow():
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    entry_flows = {}
+    for deployment in spec["deployments"]:
+        module, name = deployment["entrypoint"].split(":")
+        obj = getattr(importlib.import_module(module.removesuffix(".py").replace("/", ".")), name)
+        entry_flows[obj.name] = deployment
+        assert deployment["work_pool"]["name"] == "lmforge"
+        obj.validate_parameters(deployment["parameters"])  # the declared defaults are valid parameters
+    assert set(entry_flows) == set(FLOWS)
+
+
+def test_pipeline_parameters_render_as_a_form():
+    from prefect.utilities.callables import parameter_schema
+
+    schema = parameter_schema(FLOWS["pipeline"].fn)
+    props = schema.model_dump()["definitions"]["PipelineParams"]["properties"]
+    assert {"recipe", "overrides", "size", "budget", "finetune", "register_model"} <= set(props)
+    assert props["size"]["enum"] == ["fit", "recipe"]
+
+
+def test_invalid_pipeline_parameters_are_refused():
+    with pytest.raises(ValueError, match="did you mean"):
+        PipelineParams(recipe="smoke", overrides=["train.max_stepz=3"])
+    with pytest.raises(ValueError, match="is neither a file nor a name in"):
+        PipelineParams(recipe="no-such-recipe")
+    with pytest.raises(ValueError, match="greater than 0"):
+        PipelineParams(recipe="smoke", budget=-1.0)
+
+
+@pytest.mark.parametrize("service", ["prefect", "mlflow", "ray"])
+def test_non_loopback_bind_without_auth_is_refused(service):
+    check_bind(service, "127.0.0.1", env={})
+    with pytest.raises(ServiceError, match=f"refusing to bind {service} to 0.0.0.0 without authentication"):
+        check_bind(service, "0.0.0.0", env={})
+
+
+def test_bind_with_auth_configured_is_allowed():
+    check_bind("prefect", "0.0.0.0", env={"PREFECT_SERVER_API_AUTH_STRING": "admin:s3cret"})
+    check_bind("ray", "10.0.0.5", env={"RAY_AUTH_MODE": "token"})
+    auth = {"MLFLOW_FLASK_SERVER_SECRET_KEY": "k", "MLFLOW_AUTH_CONFIG_PATH": "/etc/auth.ini"}
+    with pytest.raises(ServiceError):  # the default admin password is refused
+        check_bind("mlflow", "0.0.0.0", env=auth)
+    check_bind("mlflow", "0.0.0.0", env={**auth, "MLFLOW_AUTH_ADMIN_PASSWORD": "long-and-random"})
