@@ -311,12 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(handler=cmd_data_inspect)
 
     from flows.cli_eval import add_eval_command
+    from flows.cli_jobs import add_job_commands
     from flows.cli_scaling import add_scaling_commands
     from flows.cli_services import add_service_commands
 
     add_scaling_commands(commands, add_set_argument)
     add_service_commands(commands, add_set_argument)
     add_eval_command(commands, add_set_argument)
+    add_job_commands(commands, add_set_argument)
     return parser
 
 

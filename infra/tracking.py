@@ -12,8 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
+from infra.secrets import SECRET_NAME, redact, url_has_password
 from training.tracking import NullTracker, Tracker, flatten
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,26 @@ class TrackingConfig(BaseModel):
     """Where runs are recorded; `uri: null` means the embedded sqlite store under the output directory."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @field_validator("uri")
+    @classmethod
+    def _no_password(cls, uri: str | None) -> str | None:
+        if uri and url_has_password(uri):
+            raise ValueError(
+                "tracking.uri carries a password; put credentials in MLFLOW_TRACKING_USERNAME / "
+                "MLFLOW_TRACKING_PASSWORD (environment), never in a recipe"
+            )
+        return uri
+
+    @field_validator("tags")
+    @classmethod
+    def _no_secret_tags(cls, tags: dict[str, str]) -> dict[str, str]:
+        named = [k for k in tags if SECRET_NAME.search(k)]
+        if named:
+            raise ValueError(
+                f"tracking.tags {named} look like secrets; secrets come from the environment, never a recipe"
+            )
+        return tags
 
     enabled: bool = True
     uri: str | None = None
@@ -63,7 +84,7 @@ def start_run(
     client = mlflow.MlflowClient(tracking_uri(cfg, output_dir))
     if run_id is not None:
         return run_id
-    tags = {**cfg.tags, **tags}
+    tags = redact({**cfg.tags, **tags})
     if cfg.parent_run_id:
         tags["mlflow.parentRunId"] = cfg.parent_run_id
     run = client.create_run(_experiment_id(cfg, output_dir), run_name=run_name, tags=tags)
@@ -83,7 +104,7 @@ class MLflowTracker:
         from mlflow.entities import Param
 
         existing = self.client.get_run(self.run_id).data.params
-        fresh = [Param(k, str(v)[:6000]) for k, v in flatten(params).items() if k not in existing]
+        fresh = [Param(k, str(v)[:6000]) for k, v in redact(flatten(params)).items() if k not in existing]
         for start in range(0, len(fresh), 100):
             self.client.log_batch(self.run_id, params=fresh[start : start + 100])
 

@@ -54,6 +54,8 @@ class ParallelConfig(BaseModel):
     ep_size: PositiveInt = 1
     activation_checkpointing: bool = False
     threads_per_worker: PositiveInt | None = None  # None: cores // workers, at least 1
+    max_failures: NonNegativeInt = 0  # Ray Train restarts all workers from the last checkpoint this often
+    placement: Literal["pack", "spread", "strict_spread"] = "pack"  # strict_spread: one worker per node
     deepspeed: dict[str, Any] = Field(
         default_factory=dict
     )  # extra keys merged into the generated DeepSpeed config

@@ -103,7 +103,7 @@ def run_sft(
         "config_digest": digest,
     }
     try:
-        run_stage_workers(sft_worker, spec, recipe.parallel.world_size, run_dir, "sft", progress)
+        run_stage_workers(sft_worker, spec, recipe.parallel, run_dir, "sft", progress)
         ref = finalize_sft(recipe, base, data, run_dir, run_id, digest, tracker)
     except BaseException:
         finish_run(recipe.tracking, recipe.output_dir, run_id, status="FAILED")

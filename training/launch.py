@@ -35,18 +35,23 @@ def run_workers(
     storage: Path,
     name: str,
     max_failures: int = 0,
+    placement: str = "PACK",
 ) -> None:
     """Run `worker(spec)` on `workers` Ray Train workers (one process group) and wait for them.
 
     Without a running cluster (`RAY_ADDRESS` unset) a local one is started with enough logical CPUs. Worker
     failures restart all workers up to `max_failures` times; they resume from the newest complete checkpoint.
+    `placement` is Ray's placement-group strategy (STRICT_SPREAD: one worker per node).
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     ensure_ray(workers + 1)
     scaling = ScalingConfig(
-        num_workers=workers, use_gpu=use_gpu, resources_per_worker=None if use_gpu else {"CPU": 1}
+        num_workers=workers,
+        use_gpu=use_gpu,
+        resources_per_worker=None if use_gpu else {"CPU": 1},
+        placement_strategy=placement,
     )
     trainer = TorchTrainer(
         worker,
@@ -65,13 +70,22 @@ def run_workers(
 def run_stage_workers(
     worker: Callable[..., None],
     spec: dict[str, Any],
-    world_size: int,
+    parallel: Any,
     run_dir: Path,
     name: str,
     progress: Any = None,
 ) -> None:
     """One worker runs in this process (and reports progress); more run as Ray Train workers."""
-    if world_size == 1:
+    if parallel.world_size == 1:
         worker(spec, progress)
     else:
-        run_workers(worker, spec, world_size, torch.cuda.is_available(), run_dir / "ray", name)
+        run_workers(
+            worker,
+            spec,
+            parallel.world_size,
+            torch.cuda.is_available(),
+            run_dir / "ray",
+            name,
+            parallel.max_failures,
+            parallel.placement.upper(),
+        )

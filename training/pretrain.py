@@ -81,7 +81,8 @@ def run_key(recipe: Any, data: DatasetManifest) -> dict[str, Any]:
     config = recipe.model_dump(
         mode="json", exclude={"data", "tracking", "output_dir", "name", "finetune", "sweep", "eval"}
     )
-    config["parallel"].pop("threads_per_worker", None)
+    for how_not_what in ("threads_per_worker", "max_failures", "placement"):  # never change the weights
+        config["parallel"].pop(how_not_what, None)
     return {"version": PRETRAIN_VERSION, "config": config, "data": data_digest(data)}
 
 
@@ -142,7 +143,7 @@ def run_pretrain(
         tracker.log_artifact(run_dir / "recipe.json")
         tracker.log_artifact(Path(data.path) / MANIFEST, "data")
     try:
-        run_stage_workers(pretrain_worker, spec, recipe.parallel.world_size, run_dir, "train", progress)
+        run_stage_workers(pretrain_worker, spec, recipe.parallel, run_dir, "train", progress)
     except BaseException:
         finish_run(recipe.tracking, recipe.output_dir, run_id, status="FAILED")
         raise

@@ -24,7 +24,11 @@ def compose() -> dict:
 
 
 def env_example() -> dict[str, str]:
-    pairs = [line.split("=", 1) for line in (DOCKER / "env.example").read_text().splitlines() if "=" in line and not line.startswith("#")]
+    pairs = [
+        line.split("=", 1)
+        for line in (DOCKER / "env.example").read_text().splitlines()
+        if "=" in line and not line.startswith("#")
+    ]
     return {k.strip(): v.strip() for k, v in pairs}
 
 
@@ -37,7 +41,15 @@ def test_compose_matches_the_compose_spec_schema(compose):
 
 def test_services_are_complete(compose):
     services = compose["services"]
-    assert set(services) >= {"postgres", "minio", "mlflow", "prefect-server", "prefect-worker", "ray-head", "ray-worker"}
+    assert set(services) >= {
+        "postgres",
+        "minio",
+        "mlflow",
+        "prefect-server",
+        "prefect-worker",
+        "ray-head",
+        "ray-worker",
+    }
     for name in ("postgres", "minio", "mlflow", "prefect-server", "ray-head"):
         assert "healthcheck" in services[name], name
     for name, service in services.items():
@@ -113,7 +125,9 @@ def test_ray_cluster_and_kuberay_manifests():
     assert cluster["docker"]["image"].endswith("lmforge:cuda")
     assert any("--dashboard-host=127.0.0.1" in c for c in cluster["head_start_ray_commands"])
     forwarded = [o.split(" ", 1)[1] for o in cluster["docker"]["run_options"] if o.startswith("-e ")]
-    assert all("=" not in o for o in forwarded if SECRETISH.search(o.split("=")[0])), "secrets go by name, not value"
+    assert all("=" not in o for o in forwarded if SECRETISH.search(o.split("=")[0])), (
+        "secrets go by name, not value"
+    )
     job = yaml.safe_load((ROOT / "infra/ray/kuberay-rayjob.yaml").read_text())
     assert job["kind"] == "RayJob" and job["spec"]["rayClusterSpec"]["authOptions"]["mode"] == "token"
     assert job["spec"]["rayClusterSpec"]["rayVersion"] == ray.__version__

@@ -1,0 +1,90 @@
+"""Ray Jobs on a cluster: submit an lmforge command with a runtime environment, follow its logs, list and stop.
+
+Whoever can reach a Ray dashboard can run arbitrary code through this API: keep it on 127.0.0.1 (or behind
+TLS) and turn on token authentication (RAY_AUTH_MODE=token) on shared clusters.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import time
+from collections.abc import Iterator
+from typing import Any
+
+FORWARDED_ENV = (  # passed to the job by name, so secrets never appear in the command line
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "PREFECT_API_URL",
+    "PREFECT_API_AUTH_STRING",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "MLFLOW_S3_ENDPOINT_URL",
+)
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def client(address: str) -> Any:
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address)
+
+
+def submit(
+    address: str,
+    args: list[str],
+    working_dir: str | None = None,
+    env: dict[str, str] | None = None,
+    submission_id: str | None = None,
+) -> str:
+    """Submit `lmforge <args>` as a Ray job; returns the submission id."""
+    env_vars = (
+        {k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}
+        | {"OMP_NUM_THREADS": "1"}
+        | (env or {})
+    )
+    runtime_env: dict[str, Any] = {"env_vars": env_vars}
+    if working_dir:
+        runtime_env["working_dir"] = working_dir
+        runtime_env["excludes"] = [".venv", "outputs", ".lmforge", "**/__pycache__"]
+    return client(address).submit_job(
+        entrypoint=shlex.join(["lmforge", *args]), runtime_env=runtime_env, submission_id=submission_id
+    )
+
+
+def follow(address: str, job_id: str, poll: float = 1.0) -> Iterator[str]:
+    """Yield new log text until the job ends."""
+    jobs = client(address)
+    seen = 0
+    while True:
+        logs = jobs.get_job_logs(job_id)
+        if len(logs) > seen:
+            yield logs[seen:]
+            seen = len(logs)
+        if str(jobs.get_job_status(job_id).value) in TERMINAL:
+            logs = jobs.get_job_logs(job_id)
+            if len(logs) > seen:
+                yield logs[seen:]
+            return
+        time.sleep(poll)
+
+
+def status(address: str, job_id: str) -> str:
+    return str(client(address).get_job_status(job_id).value)
+
+
+def list_jobs(address: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": j.submission_id,
+            "status": str(j.status.value),
+            "entrypoint": j.entrypoint,
+            "start_time": j.start_time,
+        }
+        for j in client(address).list_jobs()
+    ]
+
+
+def stop(address: str, job_id: str) -> bool:
+    return bool(client(address).stop_job(job_id))
