@@ -72,8 +72,9 @@ def compute_optimal(
         d_opt=d_opt,
         tokens_per_param=d_opt / n_opt,
         loss=float(law.loss(n_opt, d_opt)),
-        loss_interval=tuple(float(v) for v in np.percentile(boot_loss, [2.5, 97.5])),
-        n_opt_interval=tuple(float(v) for v in np.percentile(boot_n, [2.5, 97.5])),
+        # resamples whose law has no interior optimum (a negative exponent) give NaN and are left out
+        loss_interval=tuple(float(v) for v in np.nanpercentile(boot_loss, [2.5, 97.5])),
+        n_opt_interval=tuple(float(v) for v in np.nanpercentile(boot_n, [2.5, 97.5])),
         n_total_opt=n_opt * ratio,
     )
 

@@ -28,12 +28,22 @@ def prefect_api(state_dir: Path) -> Iterator[str]:
     try:
         yield os.environ["PREFECT_API_URL"]
     finally:
+        _drain_prefect_logs()  # send queued run logs while the server is still up
         stop(running)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _drain_prefect_logs() -> None:
+    try:
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=10)
+    except Exception:  # noqa: BLE001 - nothing was logged to the API
+        pass
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
