@@ -106,7 +106,14 @@ def start_prefect(state_dir: Path, host: str = "127.0.0.1", port: int | None = N
     """`prefect server start` with its database under `<state_dir>/prefect` (PREFECT_HOME)."""
     check_bind("prefect", host)
     port = port or DEFAULT_PORTS["prefect"]
-    env = {**os.environ, **prefect_env(state_dir), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    api = f"http://{host}:{port}/api"  # the UI must call this server, not the default :4200
+    env = {
+        **os.environ,
+        **prefect_env(state_dir),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_API_URL": api,
+        "PREFECT_SERVER_UI_API_URL": api,
+    }
     env.pop("PREFECT_API_URL", None)
     return _spawn(
         "prefect",

@@ -4,6 +4,7 @@ checked through the client, kill-and-rerun, and a headless-Chromium look at both
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -126,7 +127,6 @@ def test_stage_artifacts_are_published_to_prefect(served_run):
     from prefect import get_client
 
     flow_run, _, _, _ = served_run
-    import asyncio
 
     async def keys() -> set[str]:
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
@@ -167,17 +167,20 @@ def _chromium() -> str:
     return found
 
 
-def _browse(browser: str, url: str, screenshot: Path) -> str:
-    common = [
-        browser,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--window-size=1400,900",
-        "--virtual-time-budget=20000",
-    ]
-    subprocess.run([*common, f"--screenshot={screenshot}", url], capture_output=True, timeout=120)
-    return subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+def _browse(browser: str, url: str, expect: str, screenshot: Path) -> str:
+    """Load `url` in headless Chromium (driven by Playwright), wait until `expect` shows, screenshot, return HTML."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=browser, args=["--no-sandbox"])
+        page = chromium.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(url)
+        page.wait_for_load_state("networkidle")
+        page.get_by_text(expect).first.wait_for(state="attached", timeout=60_000)
+        page.screenshot(path=str(screenshot), full_page=True)
+        html = page.content()
+        chromium.close()
+    return html
 
 
 def test_browser_shows_the_run_in_both_uis(served_run, tmp_path):
@@ -185,18 +188,15 @@ def test_browser_shows_the_run_in_both_uis(served_run, tmp_path):
 
     flow_run, _, ml, prefect = served_run
     browser = _chromium()
-    import asyncio
 
     async def deployment_id() -> str:
         async with get_client() as client:
             return str((await client.read_deployment_by_name("pipeline/lmforge")).id)
 
-    prefect_dom = _browse(
-        browser,
-        f"{prefect.url}/deployments/deployment/{asyncio.run(deployment_id())}",
-        tmp_path / "prefect.png",
-    )
-    assert "lmforge" in prefect_dom and "pipeline" in prefect_dom
+    url = f"{prefect.url}/deployments/deployment/{asyncio.run(deployment_id())}"
+    assert "pipeline" in _browse(browser, url, "lmforge", tmp_path / "prefect-deployment.png")
+    url = f"{prefect.url}/runs/flow-run/{flow_run.id}"
+    assert flow_run.name in _browse(browser, url, flow_run.name, tmp_path / "prefect.png")
     client = mlflow.MlflowClient(ml.url)
     experiment = client.get_experiment_by_name("lmforge")
     parent = next(
@@ -204,14 +204,15 @@ def test_browser_shows_the_run_in_both_uis(served_run, tmp_path):
         for r in client.search_runs([experiment.experiment_id])
         if r.data.tags.get("lmforge.stage") == "pipeline"
     )
-    mlflow_dom = _browse(
-        browser,
-        f"{ml.url}/#/experiments/{experiment.experiment_id}/runs/{parent.info.run_id}",
-        tmp_path / "mlflow.png",
-    )
-    assert "pipeline-smoke" in mlflow_dom
-    for shot in ("prefect.png", "mlflow.png"):
+    url = f"{ml.url}/#/experiments/{experiment.experiment_id}/runs/{parent.info.run_id}"
+    assert "pipeline-smoke" in _browse(browser, url, "pipeline-smoke", tmp_path / "mlflow.png")
+    shots = ("prefect-deployment.png", "prefect.png", "mlflow.png")
+    for shot in shots:
         assert (tmp_path / shot).stat().st_size > 10_000
+    keep = os.environ.get("LMFORGE_SCREENSHOTS")  # CI can keep the screenshots
+    if keep:
+        for shot in shots:
+            shutil.copy(tmp_path / shot, Path(keep) / shot)
 
 
 def test_killed_pipeline_resumes_and_matches_an_uninterrupted_run(services, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import tempfile
@@ -25,7 +26,13 @@ RAY = str(Path(os.sys.executable).with_name("ray"))
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    token = secrets.token_hex(32)  # token authentication, as every shared cluster should run
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)  # for this process's Jobs client
     env = {k: v for k, v in clean_env().items() if k != "RAY_ADDRESS"}
+    env["PATH"] = (
+        f"{Path(RAY).parent}:{env['PATH']}"  # as on a cluster image: `lmforge` is on the nodes' PATH
+    )
     port, dashboard = free_port(), free_port()
     temp = tempfile.mkdtemp(prefix="lmray", dir="/tmp")  # short: Ray's socket paths have a length limit
     common = ["--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
@@ -70,6 +77,11 @@ def cluster(tmp_path_factory):
     yield address, ml
     stop(ml)
     subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _alive_nodes(address: str) -> list[dict]:
@@ -108,7 +120,7 @@ def test_two_worker_job_survives_a_killed_worker(cluster, tmp_path):
     killed_out = tmp_path / "killed"
     job = ray_jobs.submit(address, _job_args(killed_out), env=env)
     deadline = time.monotonic() + 600
-    while not list(killed_out.glob("pretrain/*/checkpoints/step-10/COMPLETE")):
+    while not list(killed_out.glob("pretrain/*/checkpoints/step-*/COMPLETE")):
         assert ray_jobs.status(address, job) not in ray_jobs.TERMINAL, ray_jobs.client(address).get_job_logs(
             job
         )[-3000:]
@@ -153,11 +165,21 @@ def test_two_worker_job_survives_a_killed_worker(cluster, tmp_path):
         assert len(client.get_metric_history(run.info.run_id, "train/loss")) >= 60
 
 
+def test_jobs_api_refuses_requests_without_the_token(cluster):
+    import urllib.error
+    import urllib.request
+
+    address, _ = cluster
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{address}/api/jobs/", timeout=10)
+    assert refused.value.code in (401, 403)
+
+
 def test_jobs_api_lists_and_stops(cluster, tmp_path):
     address, _ = cluster
     job = ray_jobs.submit(address, ["model", "summary", "smoke"])
     assert _wait(address, job, 300) == "SUCCEEDED"
-    assert "parameters" in ray_jobs.client(address).get_job_logs(job).lower()
+    assert "params/embedding" in ray_jobs.client(address).get_job_logs(job)
     assert job in {j["id"] for j in ray_jobs.list_jobs(address)}
     sleeper = ray_jobs.client(address).submit_job(entrypoint="sleep 600")
     assert ray_jobs.stop(address, sleeper)

@@ -167,3 +167,18 @@ def test_effective_rank():
 
 def test_describe_of_export_matches_training_tokenizer(export, tokenized):
     assert describe(export[0]).digest == tokenized[0].tokenizer.digest
+
+
+def test_expert_load_shares_sum_to_one_per_layer():
+    from evaluation.spectra import expert_load, load_imbalance, weight_spectra
+    from training.moe import MoEConfig
+
+    cfg = ModelConfig(vocab_size=64, **CFG, moe=MoEConfig(n_experts=4, top_k=2, d_ff_expert=32))
+    model = Transformer(cfg, seed=1).eval()
+    load = expert_load(model, [torch.randint(0, 64, (2, 16)) for _ in range(3)])
+    assert len(load) == cfg.n_layers
+    for shares in load.values():
+        assert len(shares) == 4 and sum(shares) == pytest.approx(1.0)
+        assert 1.0 <= load_imbalance(shares) <= 4.0
+    spectra = weight_spectra(model)
+    assert any(".experts." in k for k in spectra) and all(v["effective_rank"] > 0 for v in spectra.values())
