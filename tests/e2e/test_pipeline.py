@@ -49,29 +49,31 @@ def served_run(services, tmp_path_factory):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
-    try:
-        from prefect.deployments import run_deployment
+    # Prefect reads its settings once per process (collection imported it already): override them in context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                flow_run = run_deployment(
-                    "pipeline/lmforge",
-                    parameters={"params": {"recipe": "smoke", "overrides": smoke_overrides(out, *EVAL)}},
-                    timeout=1200,
-                )
-                break
-            except Exception:  # noqa: BLE001 - the deployment is not registered yet
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(2)
-        yield flow_run, out, ml, prefect
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+            from prefect.deployments import run_deployment
+
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    flow_run = run_deployment(
+                        "pipeline/lmforge",
+                        parameters={"params": {"recipe": "smoke", "overrides": smoke_overrides(out, *EVAL)}},
+                        timeout=1200,
+                    )
+                    break
+                except Exception:  # noqa: BLE001 - the deployment is not registered yet
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(2)
+            yield flow_run, out, ml, prefect
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
         log.close()
-        os.environ.pop("PREFECT_API_URL", None)
 
 
 def test_pipeline_run_through_the_prefect_api_completes(served_run):
