@@ -126,7 +126,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     urls = {r.name: r.url for r in running}
     print(json.dumps(urls, indent=2))
     print("\nPoint lmforge at them (then `lmforge serve` to get the Run buttons):")
-    print(f"  export PREFECT_API_URL={urls['prefect']}/api MLFLOW_TRACKING_URI={urls['mlflow']}")
+    print(f"  export PREFECT_API_URL={urls['prefect']}/api LMFORGE_TRACKING_URI={urls['mlflow']}")
     if "ray" in urls:
         print(
             f"  export RAY_ADDRESS={args.host}:{args.ray_port or 6379}   # Ray Jobs / dashboard: {urls['ray']}"

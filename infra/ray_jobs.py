@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 FORWARDED_ENV = (  # passed to the job by name, so secrets never appear in the command line
+    "LMFORGE_TRACKING_URI",
     "MLFLOW_TRACKING_URI",
     "MLFLOW_TRACKING_USERNAME",
     "MLFLOW_TRACKING_PASSWORD",

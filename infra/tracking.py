@@ -53,10 +53,12 @@ class TrackingConfig(BaseModel):
 
 
 def tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
-    """`tracking.uri`, else $MLFLOW_TRACKING_URI (e.g. set by `lmforge up`), else sqlite under the outputs."""
+    """`tracking.uri`, else $LMFORGE_TRACKING_URI (e.g. from `lmforge up`), else sqlite under the outputs.
+
+    Not $MLFLOW_TRACKING_URI: `mlflow.set_tracking_uri` rewrites that one inside a process."""
     return (
         cfg.uri
-        or os.environ.get("MLFLOW_TRACKING_URI")
+        or os.environ.get("LMFORGE_TRACKING_URI")
         or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
     )
 

@@ -31,7 +31,8 @@ def smoke_overrides(output_dir: Path, *extra: str) -> list[str]:
 def clean_env() -> dict[str, str]:
     """This environment without the process-group variables an in-process DeepSpeed test may have set."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    # process-group variables, and MLflow's URI (`mlflow.set_tracking_uri` in a test rewrites it)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MLFLOW_TRACKING_URI"):
         env.pop(name, None)
     return env
 

@@ -30,7 +30,7 @@ def services(tmp_path_factory):
     prefect = start_prefect(state, port=free_port())
     store = tmp_path_factory.mktemp("mlstore")
     ml = start_mlflow(state, f"sqlite:///{store / 'mlflow.db'}", store / "artifacts", port=free_port())
-    env = {**clean_env(), "PREFECT_API_URL": f"{prefect.url}/api", "MLFLOW_TRACKING_URI": ml.url}
+    env = {**clean_env(), "PREFECT_API_URL": f"{prefect.url}/api", "LMFORGE_TRACKING_URI": ml.url}
     yield prefect, ml, env, state
     stop(ml)
     stop(prefect)
@@ -218,7 +218,7 @@ def test_browser_shows_the_run_in_both_uis(served_run, tmp_path):
 
 def test_killed_pipeline_resumes_and_matches_an_uninterrupted_run(services, tmp_path):
     _, _, env, _ = services
-    env = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}  # embedded sqlite per output dir
+    env = {k: v for k, v in env.items() if k != "LMFORGE_TRACKING_URI"}  # embedded sqlite per output dir
     train = ["train.max_steps=120", "train.checkpoint_every=20", "train.eval_every=60"]
 
     def command(out: Path) -> list[str]:

@@ -26,6 +26,9 @@ RAY = str(Path(os.sys.executable).with_name("ray"))
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    import ray
+
+    ray.shutdown()  # `ray stop` below ends every Ray process on the host, a local one of this process included
     token = secrets.token_hex(32)  # token authentication, as every shared cluster should run
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)  # for this process's Jobs client
@@ -77,6 +80,7 @@ def cluster(tmp_path_factory):
     yield address, ml
     stop(ml)
     subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+    ray.shutdown()
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
@@ -116,7 +120,7 @@ def _wait(address: str, job_id: str, timeout: float = 900) -> str:
 
 def test_two_worker_job_survives_a_killed_worker(cluster, tmp_path):
     address, ml = cluster
-    env = {"MLFLOW_TRACKING_URI": ml.url}
+    env = {"LMFORGE_TRACKING_URI": ml.url}
     killed_out = tmp_path / "killed"
     job = ray_jobs.submit(address, _job_args(killed_out), env=env)
     deadline = time.monotonic() + 600
