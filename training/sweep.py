@@ -9,6 +9,7 @@ module that imports `ray.tune`.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.shards import DatasetManifest
@@ -168,6 +170,11 @@ def _trainable(config: dict[str, Any], specs: list[tuple[str, str]], data: str, 
 
     from flows.recipe import Recipe
 
+    # a trial is a fresh one-process run: drop process-group variables inherited from the driver's environment
+    # (an in-process run there sets MASTER_PORT to a port its own process group still holds)
+    if not torch.distributed.is_initialized():
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(name, None)
     plan_json, recipe_json = specs[config["trial"]]
     plan, recipe = TrialPlan.model_validate_json(plan_json), Recipe.model_validate_json(recipe_json)
     manifest = DatasetManifest.model_validate_json(data)

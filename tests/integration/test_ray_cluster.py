@@ -26,12 +26,12 @@ RAY = str(Path(os.sys.executable).with_name("ray"))
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    token = secrets.token_hex(32)  # token authentication, as every shared cluster should run
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)  # for this process's Jobs client (set first)
     import ray
 
     ray.shutdown()  # `ray stop` below ends every Ray process on the host, a local one of this process included
-    token = secrets.token_hex(32)  # token authentication, as every shared cluster should run
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)  # for this process's Jobs client
     env = {k: v for k, v in clean_env().items() if k != "RAY_ADDRESS"}
     env["PATH"] = (
         f"{Path(RAY).parent}:{env['PATH']}"  # as on a cluster image: `lmforge` is on the nodes' PATH
