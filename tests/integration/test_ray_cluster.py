@@ -28,7 +28,9 @@ RAY = str(Path(os.sys.executable).with_name("ray"))
 def cluster(tmp_path_factory):
     token = secrets.token_hex(32)  # token authentication, as every shared cluster should run
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)  # for this process's Jobs client (set first)
+    os.environ.update(
+        RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token
+    )  # for this process's Jobs client (set first)
     import ray
 
     ray.shutdown()  # `ray stop` below ends every Ray process on the host, a local one of this process included
