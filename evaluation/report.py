@@ -106,8 +106,7 @@ def evaluate_model(
             spectra["lora"] = lora
             metrics["lora/mean_effective_rank"] = sum(v["effective_rank"] for v in lora.values()) / len(lora)
     if em.model.cfg.moe is not None:
-        batch = [t[0] for t in _doc_batches(em, docs)]
-        load = expert_load(em.model, batch)
+        load = expert_load(em.model, _doc_batches(em, docs))
         spectra["expert_load"] = load
         for layer, shares in load.items():
             metrics[f"moe/{layer}/load_imbalance"] = load_imbalance(shares)
@@ -115,14 +114,11 @@ def evaluate_model(
 
 
 def _doc_batches(em: EvalModel, docs: list, n: int = 4) -> list:
+    """The first `n` held-out documents as one-row token batches (cut to the context), for routing statistics."""
     import torch
 
-    out = []
-    for doc in docs[:n]:
-        ids = em.tokenizer.encode(doc.text).ids[: em.max_len]
-        if ids:
-            out.append((torch.tensor([ids]),))
-    return out
+    encoded = (em.tokenizer.encode(doc.text).ids[: em.max_len] for doc in docs[:n])
+    return [torch.tensor([ids]) for ids in encoded if ids]
 
 
 def run_eval(

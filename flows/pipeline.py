@@ -165,7 +165,7 @@ def timed(timings: dict[str, float], name: str, call: Any, *args: Any) -> Any:
 def pipeline(params: PipelineParams) -> dict[str, Any]:
     """Raw text to an evaluated, registered model: the whole DAG on one recipe."""
     from flows.lineage import finish_parent, log_dataset, nest_under, start_parent
-    from flows.scaling import size_for_budget
+    from flows.scaling import size_for_budget, target_budget
 
     t_start = time.perf_counter()
     recipe = params.load()
@@ -195,7 +195,7 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
                 swept.mlflow_run_id,
             )
             law = timed(times, "fit", fit, recipe, swept)
-            budget = params.budget or recipe.sweep.target_budget or max(recipe.sweep.budgets)
+            budget = params.budget or target_budget(recipe)
             sizes = [row["N"] for row in pq.read_table(swept.results, columns=["N"]).to_pylist()]
             final, note = size_for_budget(
                 recipe, float(law.to_law().optimal_n(budget)), budget, (min(sizes), max(sizes))

@@ -35,13 +35,19 @@ def sweep_points(results: str | Path) -> ScalingPoints:
     )
 
 
+def target_budget(recipe: Any) -> float:
+    """The compute budget the final model is sized for: `sweep.target_budget`, else the largest swept budget."""
+    return float(recipe.sweep.target_budget or max(recipe.sweep.budgets))
+
+
 def fit_sweep(recipe: Any, sweep: SweepResult, n_bootstrap: int = 2000) -> ScalingFit:
     """Fit the sweep's results (cached in `<sweep dir>/fit/`) and log the fit to the sweep's MLflow run."""
     out = Path(sweep.sweep_dir) / "fit"
     if (out / FIT_FILE).is_file():
         return ScalingFit.load(out)
-    budget = recipe.sweep.target_budget or float(np.max(recipe.sweep.budgets))
-    fit = run_fit_scaling(sweep_points(sweep.results), out, target_budget=budget, n_bootstrap=n_bootstrap)
+    fit = run_fit_scaling(
+        sweep_points(sweep.results), out, target_budget=target_budget(recipe), n_bootstrap=n_bootstrap
+    )
     tracker = make_tracker(recipe.tracking, recipe.output_dir, sweep.mlflow_run_id, rank=0)
     tracker.log_metrics({f"fit/{k}": v for k, v in fit.law.items()}, step=0)
     tracker.log_metrics({"fit/n_opt": fit.optimal.n_opt, "fit/d_opt": fit.optimal.d_opt}, step=0)

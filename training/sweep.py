@@ -265,7 +265,7 @@ def run_sweep(recipe: Any, data: DatasetManifest, progress: TrialProgress | None
                 storage_path=str((sweep_dir / "tune").resolve()),
                 name=f"sweep-{int(time.time())}",
                 verbose=0,
-                callbacks=[_ProgressCallback(progress, len(rows), len(plans))] if progress else None,
+                callbacks=[_progress_callback(progress, len(rows), len(plans))] if progress else None,
             ),
         )
         t0 = time.perf_counter()
@@ -315,18 +315,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-class _ProgressCallback:
-    """Calls `progress(finished, total, row)` as trials complete (a Tune callback)."""
+def _progress_callback(progress: TrialProgress, done: int, total: int) -> Any:
+    """A Tune callback that calls `progress(finished, total, row)` as trials complete."""
+    from ray.tune import Callback
 
-    def __new__(cls, progress: TrialProgress, done: int, total: int) -> Any:
-        from ray.tune import Callback
+    class ProgressCallback(Callback):
+        def __init__(self) -> None:
+            self.done = done
 
-        class ProgressCallback(Callback):
-            def __init__(self) -> None:
-                self.done = done
+        def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            self.done += 1
+            progress(self.done, total, (trial.last_result or {}).get("row", {"status": "stopped"}))
 
-            def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-                self.done += 1
-                progress(self.done, total, (trial.last_result or {}).get("row", {"status": "stopped"}))
-
-        return ProgressCallback()
+    return ProgressCallback()
