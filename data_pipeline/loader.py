@@ -12,7 +12,7 @@ Shape letters: B batch, T sequence length.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,6 +20,19 @@ from torch import Tensor
 
 from data_pipeline.shards import DatasetManifest, ShardReader
 from data_pipeline.sources import DataError
+
+IGNORE_INDEX = -100  # targets with this value carry no loss (padding, prompt tokens in SFT); torch's convention
+
+
+class Batch(NamedTuple):
+    """What every loader yields: next-token inputs and targets, both (B, T) int64."""
+
+    inputs: Tensor
+    targets: Tensor  # IGNORE_INDEX where a position carries no loss
+
+    def n_targets(self) -> int:
+        """Positions that carry loss (what a token-normalised loss divides by)."""
+        return int((self.targets != IGNORE_INDEX).sum())
 
 
 class EpochSampler:
@@ -90,22 +103,22 @@ class SampledLoader:
 
     sampler: EpochSampler
 
-    def batch_of(self, indices: np.ndarray) -> Any:
+    def batch_of(self, indices: np.ndarray) -> Batch:
         raise NotImplementedError
 
     @property
     def batches_per_epoch(self) -> int:
         return self.sampler.batches_per_epoch
 
-    def next_batch(self) -> Any:
+    def next_batch(self) -> Batch:
         return self.batch_of(self.sampler.next_indices())
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Batch]:
         """Endless: epochs follow one another with fresh shuffles."""
         while True:
             yield self.next_batch()
 
-    def epoch_batches(self, max_batches: int | None = None) -> Iterator[Any]:
+    def epoch_batches(self, max_batches: int | None = None) -> Iterator[Batch]:
         """One pass over epoch 0 in a fixed order (for evaluation); does not move the loader's position."""
         order = self.sampler.order(0)
         size = self.sampler.batch_size
@@ -121,7 +134,7 @@ class SampledLoader:
 
 
 class PackedLoader(SampledLoader):
-    """Batches (inputs, targets), each (B, T) int64, from one split of a tokenized dataset."""
+    """Packed batches from one split of a tokenized dataset (every position carries loss)."""
 
     def __init__(
         self,
@@ -144,10 +157,10 @@ class PackedLoader(SampledLoader):
         n_windows = max(0, (self.reader.n_tokens - 1) // seq_len)
         self.sampler = EpochSampler(n_windows, batch_size, rank, world_size, seed, shuffle)
 
-    def batch_of(self, windows: np.ndarray) -> tuple[Tensor, Tensor]:
+    def batch_of(self, windows: np.ndarray) -> Batch:
         rows = np.stack([self.reader.slice(int(w) * self.seq_len, self.seq_len + 1) for w in windows])
         tokens = torch.from_numpy(rows.astype(np.int64))
-        return tokens[:, :-1], tokens[:, 1:]
+        return Batch(tokens[:, :-1], tokens[:, 1:])
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.sampler.state_dict(), "seq_len": self.seq_len}

@@ -14,24 +14,21 @@ from __future__ import annotations
 import ast
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import BaseModel, ConfigDict
 from tokenizers import Tokenizer
-from torch import Tensor
 
 from data_pipeline.config import SFTConfig
-from data_pipeline.loader import EpochSampler, SampledLoader
+from data_pipeline.loader import IGNORE_INDEX, Batch, EpochSampler, SampledLoader
 from data_pipeline.sources import DataError, ReadStats, decode_utf8, split_of, stdlib_files, stdlib_root
 from data_pipeline.tokenizer import END_OF_TURN, ROLES, SPECIAL_TOKENS, TokenizerRef
-from infra.storage import MANIFEST, atomic_write_bytes, atomic_write_json, digest_of, stage_dir
+from infra.steps import Artifact, Step, run_step
+from infra.storage import MANIFEST, atomic_write_bytes, digest_of
 
-IGNORE_INDEX = -100  # same convention as training.model.IGNORE_INDEX and torch's cross-entropy
 SFT_FORMAT_VERSION = 1
 Messages = list[dict[str, str]]
 
@@ -142,11 +139,10 @@ def encode_example(tokenizer: Tokenizer, messages: Messages) -> tuple[np.ndarray
     return np.array(encoding.ids, dtype=np.int32), mask
 
 
-class SFTManifest(BaseModel):
-    model_config = ConfigDict(frozen=True)
+class SFTManifest(Artifact):
+    """Encoded SFT examples (train and held-out Arrow files plus the held-out conversations as JSONL)."""
 
     version: int
-    path: str
     tokenizer_digest: str
     pad_id: int
     seq_len: int
@@ -177,16 +173,17 @@ def run_sft_data(cfg: SFTConfig, tok: TokenizerRef, seq_len: int, root: str | Pa
         examples = builtin_sft_examples(cfg.max_examples)
     else:
         examples = read_sft_jsonl(Path(cfg.source))[: cfg.max_examples]
-    key = {
-        "version": SFT_FORMAT_VERSION,
+    config = {
         "config": cfg.model_dump(mode="json", exclude={"source"}),
         "examples": digest_of(examples),
         "tokenizer": tok.digest,
         "seq_len": seq_len,
     }
-    out = stage_dir(root, "sft_data", "sft", key)
-    if (out / MANIFEST).is_file():
-        return SFTManifest.load(out)
+    step = Step("sft_data", "sft", SFT_FORMAT_VERSION, config, SFTManifest)
+    return run_step(root, step, lambda out, _key: _encode_sft(cfg, tok, seq_len, examples, out))
+
+
+def _encode_sft(cfg: SFTConfig, tok: TokenizerRef, seq_len: int, examples: list[Messages], out: Path) -> SFTManifest:
     tokenizer = tok.load()
     splits: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "heldout": []}
     heldout_messages: list[Messages] = []
@@ -211,12 +208,11 @@ def run_sft_data(cfg: SFTConfig, tok: TokenizerRef, seq_len: int, root: str | Pa
         raise DataError(
             f"SFT source {cfg.source!r}: too few examples for a train and a held-out split ({counts})"
         )
-    out.mkdir(parents=True, exist_ok=True)
     for split, encoded in splits.items():
         _write_split(out / f"{split}.arrow", encoded)
     lines = "".join(json.dumps({"messages": m}) + "\n" for m in heldout_messages)
     atomic_write_bytes(out / "heldout.jsonl", lines.encode())
-    manifest = SFTManifest(
+    return SFTManifest(
         version=SFT_FORMAT_VERSION,
         path=str(out.resolve()),
         tokenizer_digest=tok.digest,
@@ -225,14 +221,6 @@ def run_sft_data(cfg: SFTConfig, tok: TokenizerRef, seq_len: int, root: str | Pa
         counts={**counts, **{split: len(encoded) for split, encoded in splits.items()}},
         config=cfg.model_dump(mode="json"),
     )
-    atomic_write_json(out / MANIFEST, manifest.model_dump(mode="json"))
-    return manifest
-
-
-@dataclass
-class SFTBatch:
-    inputs: Tensor  # (B, T) int64, padded with the pad id
-    targets: Tensor  # (B, T) int64, IGNORE_INDEX where the loss mask is 0 or on padding
 
 
 class SFTLoader(SampledLoader):
@@ -261,7 +249,8 @@ class SFTLoader(SampledLoader):
         self.seq_len, self.pad_id = manifest.seq_len, manifest.pad_id
         self.sampler = EpochSampler(len(self.ids), batch_size, rank, world_size, seed, shuffle)
 
-    def batch_of(self, indices: np.ndarray) -> SFTBatch:
+    def batch_of(self, indices: np.ndarray) -> Batch:
+        """Inputs padded with the pad id; targets IGNORE_INDEX where the loss mask is 0 or on padding."""
         inputs = torch.full((len(indices), self.seq_len), self.pad_id, dtype=torch.int64)
         targets = torch.full((len(indices), self.seq_len), IGNORE_INDEX, dtype=torch.int64)
         for row, index in enumerate(indices):
@@ -270,4 +259,4 @@ class SFTLoader(SampledLoader):
             n = len(ids) - 1
             inputs[row, :n] = ids[:-1]
             targets[row, :n] = torch.where(keep[1:], ids[1:], IGNORE_INDEX)
-        return SFTBatch(inputs, targets)
+        return Batch(inputs, targets)

@@ -18,7 +18,8 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.sources import DataError
-from infra.storage import MANIFEST, TMP_SUFFIX, atomic_write_json, fsync_and_replace, sha256_file
+from infra.steps import Artifact
+from infra.storage import MANIFEST, TMP_SUFFIX, atomic_write_json, digest_of, fsync_and_replace, sha256_file
 
 Split = Literal["train", "val"]
 SPLITS: tuple[Split, ...] = ("train", "val")
@@ -54,13 +55,10 @@ class TokenizerInfo(BaseModel):
     pad_id: int
 
 
-class DatasetManifest(BaseModel):
+class DatasetManifest(Artifact):
     """What `run_tokenize` produced; written last, so its presence means every shard is complete."""
 
-    model_config = ConfigDict(frozen=True)
-
     version: int
-    path: str
     tokenizer: TokenizerInfo
     source_fingerprint: str
     dtype: Literal["uint16", "uint32"]
@@ -77,6 +75,11 @@ class DatasetManifest(BaseModel):
             hint = "an interrupted run: rerun `lmforge tokenize` to resume it" if partial else "not a dataset"
             raise DataError(f"{directory}: no {MANIFEST} ({hint})")
         return cls.model_validate_json(path.read_text())
+
+    def digest(self) -> str:
+        """The data itself: the tokenizer and every shard's sha256 (not where they live)."""
+        shards = {split: [s.sha256 for s in info.shards] for split, info in self.splits.items()}
+        return digest_of({"tokenizer": self.tokenizer.digest, "shards": shards})
 
     def check_tokenizer(self, expected_digest: str) -> None:
         """Refuse data made with another tokenizer, showing both digests."""

@@ -33,7 +33,8 @@ from data_pipeline.shards import (
 )
 from data_pipeline.sources import Corpus, DataError, split_of
 from data_pipeline.tokenizer import TokenizerRef, run_train_tokenizer
-from infra.storage import MANIFEST, atomic_write_json, remove_partial_files, stage_dir
+from infra.steps import Step, run_step
+from infra.storage import remove_partial_files
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,6 @@ def dataset_key(cfg: DataConfig, fingerprint: str, tokenizer_digest: str) -> dic
     the sources live (the fingerprint covers their content and relative names)."""
     fields = {"text_field", "max_documents", "on_bad_record", "val_fraction", "shard_tokens"}
     return {
-        "version": SHARD_FORMAT_VERSION,
         "config": cfg.model_dump(mode="json", include=fields),
         "source": fingerprint,
         "tokenizer": tokenizer_digest,
@@ -165,11 +165,15 @@ def run_tokenize(cfg: DataConfig, root: str | Path, progress: Progress | None = 
     corpus = Corpus(cfg)
     fingerprint = corpus.fingerprint()
     tok = run_train_tokenizer(cfg.tokenizer, corpus, fingerprint, root)
-    out = stage_dir(root, "tokenize", "tokens", dataset_key(cfg, fingerprint, tok.digest))
-    if (out / MANIFEST).is_file():
-        log.info("tokenize: %s is complete, nothing to do", out)
-        return DatasetManifest.load(out)
-    out.mkdir(parents=True, exist_ok=True)
+    config = dataset_key(cfg, fingerprint, tok.digest)
+    step = Step("tokenize", "tokens", SHARD_FORMAT_VERSION, config, DatasetManifest)
+    return run_step(root, step, lambda out, _key: _write_shards(cfg, corpus, fingerprint, tok, out, progress))
+
+
+def _write_shards(
+    cfg: DataConfig, corpus: Corpus, fingerprint: str, tok: TokenizerRef, out: Path, progress: Progress | None
+) -> DatasetManifest:
+    """Encode the corpus into `out`, resuming after the last complete shard of each split."""
     remove_partial_files(out)
     dtype = token_dtype(tok.vocab_size)
     writers = {s: ShardWriter(out, s, dtype, cfg.shard_tokens, completed_shards(out, s)) for s in SPLITS}
@@ -191,7 +195,7 @@ def run_tokenize(cfg: DataConfig, root: str | Path, progress: Progress | None = 
         raise DataError(
             f"data.sources {list(cfg.sources)} hold no text ({corpus.stats.as_dict()}); check the files"
         )
-    manifest = DatasetManifest(
+    return DatasetManifest(
         version=SHARD_FORMAT_VERSION,
         path=str(out.resolve()),
         tokenizer=TokenizerInfo(**tok.__dict__),
@@ -208,5 +212,3 @@ def run_tokenize(cfg: DataConfig, root: str | Path, progress: Progress | None = 
         read_stats=corpus.stats.as_dict(),
         config=cfg.model_dump(mode="json"),
     )
-    atomic_write_json(out / MANIFEST, manifest.model_dump(mode="json"))
-    return manifest

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -14,6 +13,7 @@ from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import TokenizerRef, describe
 from training.hf_interop import load_hf_config
 from training.model import Transformer
+from training.stage import TrainedModel
 
 
 @dataclass
@@ -24,7 +24,7 @@ class EvalModel:
     model: Transformer
     tokenizer: Tokenizer
     tokenizer_ref: TokenizerRef
-    ref: Any  # the CheckpointRef it came from
+    ref: TrainedModel  # the run it came from
 
     @property
     def max_len(self) -> int:
@@ -47,7 +47,7 @@ def load_export(export_dir: str | Path) -> Transformer:
     return model.eval()
 
 
-def load_for_eval(ref: Any, name: str, tokenizer_digest: str | None = None) -> EvalModel:
+def load_for_eval(ref: TrainedModel, name: str, tokenizer_digest: str | None = None) -> EvalModel:
     """Load `ref`'s export; refuse when its tokenizer is not the one it was trained with (or `tokenizer_digest`)."""
     if not ref.hf_export or not ref.export_valid:
         raise DataError(

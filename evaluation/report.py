@@ -1,4 +1,4 @@
-"""Stage 5: `run_eval(recipe, models) -> EvalReport`, several models side by side (base vs SFT vs LoRA).
+"""Stage 5: `run_eval(spec, models) -> EvalReport`, several models side by side (base vs SFT vs LoRA).
 
 Held-out loss / perplexity / bits per byte per source, downstream tasks (built-in and JSONL), optional
 lm-evaluation-harness tasks, greedy and sampled continuations, weight spectra, MoE expert load; written as
@@ -11,41 +11,50 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
+from data_pipeline.config import DataConfig
+from evaluation.config import EvalConfig
 from evaluation.heldout import heldout_documents, heldout_metrics
 from evaluation.model_io import EvalModel, load_for_eval
 from evaluation.scoring import generate_text
 from evaluation.spectra import expert_load, load_imbalance, lora_spectra, weight_spectra
 from evaluation.tasks import Task, load_task, run_task, sft_heldout_task, stdlib_import_task
-from infra.storage import MANIFEST, atomic_write_bytes, atomic_write_json, digest_of, sha256_file, stage_dir
-from infra.tracking import finish_run, make_tracker, start_run
+from infra.steps import Artifact, Step, run_step
+from infra.storage import atomic_write_bytes, atomic_write_json, sha256_file
+from infra.tracking import TrackingConfig, tracked_run
+from training.stage import TrainedModel
 
-EVAL_VERSION = 1
+EVAL_VERSION = 2
 
 
-class EvalReport(BaseModel):
-    """One table (metric -> model -> value) plus samples, spectra summaries and where the files are."""
+class EvalSpec(BaseModel):
+    """What evaluation receives: its settings, the data config (held-out documents are re-read from it)."""
 
-    out_dir: str
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    output_dir: str
+    eval: EvalConfig = EvalConfig()
+    data: DataConfig = DataConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+
+class EvalReport(Artifact):
+    """One table (metric -> model -> value) plus samples, spectra summaries; `path` is the report directory."""
+
     models: dict[str, dict[str, Any]]  # name -> run_dir, kind, export verification, parameters
     metrics: dict[str, dict[str, float | None]]
     samples: dict[str, list[dict[str, str]]]
     spectra: dict[str, dict[str, Any]]
     mlflow_run_id: str | None
 
-    @classmethod
-    def load(cls, out_dir: str | Path) -> EvalReport:
-        return cls.model_validate_json((Path(out_dir) / "report.json").read_text())
+    @property
+    def out_dir(self) -> str:
+        return self.path
 
     def value(self, metric: str, model: str) -> float | None:
         return self.metrics.get(metric, {}).get(model)
-
-
-def model_kind(ref: Any) -> str:
-    if ref.base_run_dir is None:
-        return "pretrain"
-    return "lora" if ref.adapter else "sft-full"
 
 
 def build_tasks(cfg: Any, sft_heldout: str | Path | None) -> list[Task]:
@@ -122,73 +131,71 @@ def _doc_batches(em: EvalModel, docs: list, n: int = 4) -> list:
 
 
 def run_eval(
-    recipe: Any,
-    models: list[Any],
+    spec: EvalSpec,
+    models: list[TrainedModel],
     names: list[str] | None = None,
     sft_heldout: str | Path | None = None,
 ) -> EvalReport:
-    """Evaluate `models` (CheckpointRefs) with the recipe's `eval:` settings; cached by content."""
-    cfg = recipe.eval
-    names = names or [model_kind(ref) for ref in models]
+    """Evaluate `models` with the spec's settings; cached by content (the models' digests, not their paths)."""
+    cfg = spec.eval
+    names = names or [ref.kind for ref in models]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be distinct, got {names}; pass names=[...]")
-    key = {
-        "version": EVAL_VERSION,
+    config = {
         "eval": cfg.model_dump(mode="json"),
-        "data": recipe.data.model_dump(mode="json"),
-        "models": {n: [r.run_dir, r.config_digest, r.step] for n, r in zip(names, models, strict=True)},
+        "data": spec.data.model_dump(mode="json"),
+        "names": names,
         "sft_heldout": sha256_file(sft_heldout) if sft_heldout else None,
         "tasks": {t: sha256_file(t) for t in cfg.tasks if t != "builtin"},
     }
-    out = stage_dir(recipe.output_dir, "eval", recipe.name, key)
-    if (out / MANIFEST).is_file():
-        return EvalReport.load(out)
-    loaded = [load_for_eval(ref, name) for name, ref in zip(names, models, strict=True)]  # refuse before work
-    docs = heldout_documents(recipe.data, cfg.max_documents)
-    tasks = build_tasks(cfg, sft_heldout)
-    run_id = start_run(
-        recipe.tracking, recipe.output_dir, f"eval-{recipe.name}", None, {"lmforge.stage": "eval"}
+    step = Step("eval", spec.name, EVAL_VERSION, config, EvalReport, dict(zip(names, models, strict=True)))
+    return run_step(
+        spec.output_dir, step, lambda out, _key: _evaluate(spec, models, names, sft_heldout, out)
     )
-    tracker = make_tracker(recipe.tracking, recipe.output_dir, run_id, rank=0)
-    tracker.log_params(
-        {
-            "eval": cfg.model_dump(mode="json"),
-            "models": {n: r.run_dir for n, r in zip(names, models, strict=True)},
-        }
-    )
-    table: dict[str, dict[str, float | None]] = {}
-    samples, spectra, info = {}, {}, {}
-    for em in loaded:
-        metrics, samples[em.name], spectra[em.name] = evaluate_model(em, cfg, docs, tasks)
-        for metric, value in metrics.items():
-            table.setdefault(metric, {})[em.name] = value
-        info[em.name] = {
-            "run_dir": em.ref.run_dir,
-            "kind": model_kind(em.ref),
-            "hf_export": em.ref.hf_export,
-            "export_valid": em.ref.export_valid,
-            "max_abs_logit_diff": em.ref.max_abs_logit_diff,
-            "parameters": sum(p.numel() for p in em.model.parameters()),
-            "mlflow_run_id": em.ref.mlflow_run_id,
-        }
-        tracker.log_metrics({f"{em.name}/{k}": v for k, v in metrics.items() if v == v}, step=0)
-    out.mkdir(parents=True, exist_ok=True)
-    report = EvalReport(
-        out_dir=str(out.resolve()),
-        models=info,
-        metrics=table,
-        samples=samples,
-        spectra=spectra,
-        mlflow_run_id=run_id,
-    )
-    atomic_write_json(out / "report.json", report.model_dump(mode="json"))
-    atomic_write_bytes(out / "report.md", markdown(report).encode())
-    from evaluation.report_plots import write_report_plots
 
-    for path in [out / "report.json", out / "report.md", *write_report_plots(report, out)]:
-        tracker.log_artifact(path, "eval")
-    atomic_write_json(out / MANIFEST, {"version": EVAL_VERSION, "key": digest_of(key), "models": names})
-    finish_run(recipe.tracking, recipe.output_dir, run_id)
+
+def _evaluate(
+    spec: EvalSpec, models: list[TrainedModel], names: list[str], sft_heldout: str | Path | None, out: Path
+) -> EvalReport:
+    cfg = spec.eval
+    loaded = [load_for_eval(ref, name) for name, ref in zip(names, models, strict=True)]  # refuse before work
+    docs = heldout_documents(spec.data, cfg.max_documents)
+    tasks = build_tasks(cfg, sft_heldout)
+    with tracked_run(spec.tracking, spec.output_dir, f"eval-{spec.name}", {"lmforge.stage": "eval"}) as run:
+        tracker = run.tracker()
+        tracker.log_params(
+            {"eval": cfg.model_dump(mode="json"), "models": {n: r.path for n, r in zip(names, models, strict=True)}}
+        )
+        table: dict[str, dict[str, float | None]] = {}
+        samples, spectra, info = {}, {}, {}
+        for em in loaded:
+            metrics, samples[em.name], spectra[em.name] = evaluate_model(em, cfg, docs, tasks)
+            for metric, value in metrics.items():
+                table.setdefault(metric, {})[em.name] = value
+            info[em.name] = {
+                "run_dir": em.ref.path,
+                "kind": em.ref.kind,
+                "hf_export": em.ref.hf_export,
+                "export_valid": em.ref.export_valid,
+                "max_abs_logit_diff": em.ref.max_abs_logit_diff,
+                "parameters": sum(p.numel() for p in em.model.parameters()),
+                "mlflow_run_id": em.ref.mlflow_run_id,
+            }
+            tracker.log_metrics({f"{em.name}/{k}": v for k, v in metrics.items() if v == v}, step=0)
+        report = EvalReport(
+            path=str(out.resolve()),
+            models=info,
+            metrics=table,
+            samples=samples,
+            spectra=spectra,
+            mlflow_run_id=run.run_id,
+        )
+        atomic_write_json(out / "report.json", report.model_dump(mode="json"))
+        atomic_write_bytes(out / "report.md", markdown(report).encode())
+        from evaluation.report_plots import write_report_plots
+
+        for path in [out / "report.json", out / "report.md", *write_report_plots(report, out)]:
+            tracker.log_artifact(path, "eval")
     return report
 
 

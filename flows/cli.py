@@ -12,9 +12,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flows.recipe import ConfigError, apply_overrides, load_recipe, validate_recipe
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from flows.stages import StepProgress, TrialProgress
 
 
 def human_count(n: float) -> str:
@@ -59,6 +64,7 @@ def cmd_model_summary(args: argparse.Namespace) -> int:
         seq_len=train.seq_len,
         activation_checkpointing=par.activation_checkpointing,
         ep_size=par.ep_size,
+        optimizer=recipe.optim.name,
     )
     if args.json:
         print(json.dumps({"recipe": recipe.name, **summary}, indent=2))
@@ -71,9 +77,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     """Stage 1 from the command line: tokenizer, token shards and SFT examples, with a progress bar."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from data_pipeline.sft import run_sft_data
     from data_pipeline.tokenize import run_tokenize
-    from data_pipeline.tokenizer import describe
+    from flows.stages import sft_examples
 
     recipe = load_recipe(args.recipe, args.set)
     columns = (
@@ -82,7 +87,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         TimeElapsedColumn(),
         TextColumn("{task.fields[rate]}"),
     )
-    with Progress(*columns, transient=False) as progress:
+    with Progress(*columns, transient=False, console=stderr_console()) as progress:
         task = progress.add_task("tokenizing", total=None, rate="")
         started = time.perf_counter()
 
@@ -94,9 +99,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
         manifest = run_tokenize(recipe.data, recipe.output_dir, progress=report)
         progress.update(task, description="SFT examples")
-        sft = run_sft_data(
-            recipe.data.sft, describe(Path(manifest.tokenizer.path)), recipe.train.seq_len, recipe.output_dir
-        )
+        sft = sft_examples(recipe, manifest.tokenizer.path)  # at finetune.train.seq_len, as `lmforge sft` needs
     print(f"dataset   {manifest.path}")
     for split, info in manifest.splits.items():
         print(
@@ -114,37 +117,69 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+class BarRunner:
+    """The CLI's `Runner`: stages run in this process, each training stage and the sweep with a progress bar."""
+
+    def __init__(self, bar: Progress) -> None:
+        self.bar = bar
+
+    def __call__(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    def steps(self, name: str, total: int) -> StepProgress:
+        task = self.bar.add_task(name, total=total, status="starting")
+
+        def report(step: int, loss: float, tokens_per_s: float) -> None:
+            self.bar.update(task, completed=step, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s")
+
+        return report
+
+    def trials(self, name: str) -> TrialProgress:
+        task = self.bar.add_task(name, total=None, status="")
+
+        def report(done: int, total: int, row: dict[str, Any]) -> None:
+            last = f"depth {row.get('depth')} C={row.get('budget', 0):.2g}: {row.get('status')}"
+            if row.get("loss") is not None:
+                last += f", val loss {row['loss']:.4f}"
+            self.bar.update(task, completed=done, total=total, status=last)
+
+        return report
+
+    def publish(self, stage: str, recipe: Any, numbers: dict[str, Any], run_id: str | None = None) -> None:
+        pass
+
+
 @contextmanager
-def step_progress(total: int, status: str) -> Iterator[Callable[[int, float, float], None]]:
-    """A progress bar over optimiser steps; yields the (step, loss, tokens/s) callback training reports to."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+def bar_runner() -> Iterator[BarRunner]:
+    """A `BarRunner` whose bars (on stderr) live for the duration of the block."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (
-        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+        TextColumn("{task.description}"),
+        MofNCompleteColumn(),
         BarColumn(),
         TextColumn("{task.fields[status]}"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns) as progress:
-        task = progress.add_task("steps", total=total, status=status)
-
-        def report(step: int, loss: float, tokens_per_s: float) -> None:
-            progress.update(task, completed=step, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s")
-
-        yield report
+    with Progress(*columns, console=stderr_console()) as bar:
+        yield BarRunner(bar)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     """Stage 2 from the command line: tokenize (cached), then pretrain with a progress bar."""
-    from data_pipeline.tokenize import run_tokenize
-    from training.pretrain import run_pretrain
+    from flows.stages import pretrained
 
     workers = [f"parallel.world_size={args.workers}"] if args.workers else []
     recipe = load_recipe(args.recipe, [*args.set, *workers])  # validated with the worker count it runs with
-    data = run_tokenize(recipe.data, recipe.output_dir)
-    with step_progress(recipe.train.max_steps, "starting") as report:
-        ref = run_pretrain(recipe, data, progress=report)
-    print(f"run        {ref.run_dir}")
+    with bar_runner() as run:
+        ref = pretrained(recipe, run)
+    print(f"run        {ref.path}")
     print(f"checkpoint {ref.checkpoint} (step {ref.step})")
     print(f"val loss   {ref.final_val_loss}")
     print(f"hf export  {ref.hf_export} (verified: {ref.export_valid}, max |Δlogit| {ref.max_abs_logit_diff})")
@@ -160,27 +195,13 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     """Stage 3: fine-tune a pretraining run (given, or this recipe's, trained first if needed), full or LoRA."""
-    from data_pipeline.sft import run_sft_data
-    from data_pipeline.tokenize import run_tokenize
-    from data_pipeline.tokenizer import describe
-    from training.finetune import run_sft
-    from training.pretrain import CheckpointRef, run_pretrain
+    from flows.stages import finetuned, load_model
 
     recipe = load_recipe(args.recipe, args.set)
-    if args.base:
-        base = CheckpointRef.load(args.base)
-    else:
-        base = run_pretrain(recipe, run_tokenize(recipe.data, recipe.output_dir))
-    if base.hf_export is None:
-        raise ConfigError(
-            f"{base.run_dir} has no Hugging Face export (and so no tokenizer files) to fine-tune from"
-        )
-    tokenizer = describe(Path(base.hf_export))
-    data = run_sft_data(recipe.data.sft, tokenizer, recipe.finetune.train.seq_len, recipe.output_dir)
-    ft = recipe.finetune
-    with step_progress(ft.train.max_steps, f"{ft.method} fine-tuning") as report:
-        ref = run_sft(recipe, base, data, progress=report)
-    print(f"run        {ref.run_dir} ({ft.method}, base {base.run_dir})")
+    base = load_model(args.base) if args.base else None
+    with bar_runner() as run:
+        ref, _ = finetuned(recipe, run, base)
+    print(f"run        {ref.path} ({ref.kind}, base {ref.base_run_dir})")
     for key, value in ref.summary.items():
         print(f"  {key:<28} {value:.4f}")
     if ref.adapter:

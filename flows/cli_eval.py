@@ -10,26 +10,20 @@ from flows.recipe import load_recipe
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from evaluation.gates import gate_results
-    from evaluation.report import run_eval
-    from infra.registry import register
-    from training.pretrain import CheckpointRef
+    from flows.stages import evaluate, load_model, register
 
     recipe = load_recipe(args.recipe, args.set)
-    refs = [CheckpointRef.load(run) for run in args.runs]
+    refs = [load_model(run) for run in args.runs]
     names = args.names.split(",") if args.names else None
-    report = run_eval(recipe, refs, names, args.sft_heldout)
-    print((Path(report.out_dir) / "report.md").read_text().split("\n## Models")[0])
-    print(f"report    {report.out_dir}/report.md (mlflow run {report.mlflow_run_id})")
+    report = evaluate(recipe, refs, args.sft_heldout, names)
+    print((Path(report.path) / "report.md").read_text().split("\n## Models")[0])
+    print(f"report    {report.path}/report.md (mlflow run {report.mlflow_run_id})")
     if args.register:
         model_names = list(report.models)
-        gates = gate_results(report, model_names[-1], model_names[0], refs[-1], recipe.eval)
-        name = recipe.eval.register_name or f"lmforge-{recipe.name}"
-        version = register(
-            recipe.tracking, recipe.output_dir, refs[-1], name, recipe.eval.alias, gates, report.out_dir
-        )
+        version = register(recipe, refs[-1], report, model_names[0] if len(model_names) > 1 else None)
         print(
-            f"registered {name} v{version.version}; gates {gates}; alias {version.alias or '(not set: a gate failed)'}"
+            f"registered {version.name} v{version.version}; gates {version.gates}; "
+            f"alias {version.alias or '(not set: a gate failed)'}"
         )
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,35 +13,17 @@ from flows.recipe import load_recipe
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Tokenize (cached), run the recipe's sweep as Ray Tune trials with live progress, then fit the results."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from data_pipeline.tokenize import run_tokenize
     from evaluation.scaling_report import headline
-    from flows.scaling import fit_sweep
-    from training.sweep import plan_trials, run_sweep
+    from flows.cli import bar_runner
+    from flows.stages import fit, swept
+    from training.sweep import plan_trials
 
     recipe = load_recipe(args.recipe, args.set)
-    plans, skipped = plan_trials(recipe)
+    _, skipped = plan_trials(recipe.sweep_spec())
     for line in skipped:
-        print(f"left out: {line}")
-    data = run_tokenize(recipe.data, recipe.output_dir)
-    columns = (
-        TextColumn("trials"),
-        MofNCompleteColumn(),
-        BarColumn(),
-        TextColumn("{task.fields[last]}"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns) as bar:
-        task = bar.add_task("trials", total=len(plans), last="")
-
-        def report(done: int, total: int, row: dict[str, Any]) -> None:
-            last = f"depth {row.get('depth')} C={row.get('budget', 0):.2g}: {row.get('status')}"
-            if row.get("loss") is not None:
-                last += f", val loss {row['loss']:.4f}"
-            bar.update(task, completed=done, last=last)
-
-        result = run_sweep(recipe, data, progress=report)
+        print(f"left out: {line}", file=sys.stderr)
+    with bar_runner() as run:
+        result = swept(recipe, run)
     print(f"results   {result.results} ({result.n_completed} completed, {result.n_stopped} stopped early)")
     if result.overhead:
         print(
@@ -48,9 +31,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         )
     print(f"mlflow    run {result.mlflow_run_id}")
     if result.n_completed >= 6 and not args.no_fit:
-        fit = fit_sweep(recipe, result)
-        print(headline(fit))
-        print(f"fit       {Path(result.sweep_dir) / 'fit'}")
+        law = fit(recipe, result)
+        print(headline(law))
+        print(f"fit       {Path(result.path) / 'fit'}")
     return 0
 
 
@@ -64,7 +47,8 @@ def cmd_fit_scaling(args: argparse.Namespace) -> int:
         table, out, target_budget=args.budget, n_bootstrap=args.bootstrap, drop_highest=args.drop_highest
     )
     print(json.dumps(fit.model_dump(mode="json"), indent=2) if args.json else headline(fit))
-    print(f"wrote {out / 'fit.json'} and plots {', '.join(p.name for p in sorted(out.glob('*.png')))}")
+    plots = ", ".join(p.name for p in sorted(out.glob("*.png")))
+    print(f"wrote {out / 'fit.json'} and plots {plots}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

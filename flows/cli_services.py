@@ -57,7 +57,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
         "size": args.size,
         "budget": args.budget,
         "finetune": not args.no_finetune,
-        "register": not args.no_register,
+        "register_model": not args.no_register,
     }
     state = Path(recipe.output_dir) / "services"
     with prefect_api(state):

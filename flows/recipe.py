@@ -2,7 +2,8 @@
 
 Cross-slice rules live here (expert parallelism vs experts, batch arithmetic, sequence length vs context);
 each slice checks its own fields. Every failure becomes a `ConfigError` with one line per problem that names
-the field and the fix, raised before anything runs.
+the field and the fix, raised before anything runs. The recipe lives at the edge: it composes the per-stage
+specs (`pretrain_spec()`, `sft_spec()`, ...) that the libraries receive, and `override()` derives recipes.
 """
 
 from __future__ import annotations
@@ -18,15 +19,25 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from data_pipeline.config import DataConfig
 from evaluation.config import EvalConfig
+from evaluation.report import EvalSpec
+from infra.config import Change, ConfigError, apply_overrides, parse_override
 from infra.tracking import TrackingConfig
-from training.config import FinetuneConfig, OptimConfig, ParallelConfig, SweepConfig, TrainConfig
+from training.config import (
+    FinetuneConfig,
+    OptimConfig,
+    ParallelConfig,
+    SweepConfig,
+    TrainConfig,
+    check_batch,
+)
+from training.finetune import SFTSpec
 from training.model import ModelConfig
+from training.pretrain import PretrainSpec
+from training.sweep import SweepSpec
+
+__all__ = ["ConfigError", "Recipe", "apply_overrides", "load_recipe", "parse_override", "validate_recipe"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(ValueError):
-    """An invalid recipe; the message has one line per problem, each naming the field."""
 
 
 class Recipe(BaseModel):
@@ -64,12 +75,7 @@ class Recipe(BaseModel):
                 "weight (ours does); use model.moe.top_k>=2 or parallel.ep_size=1"
             )
         for prefix, run in (("train", train), ("finetune.train", self.finetune.train)):
-            per_step = run.micro_batch_size * par.world_size
-            if run.global_batch(par.world_size) % per_step:
-                raise ValueError(
-                    f"{prefix}.global_batch_size={run.global_batch_size} must be a multiple of "
-                    f"{prefix}.micro_batch_size={run.micro_batch_size} x parallel.world_size={par.world_size} = {per_step}"
-                )
+            check_batch(run, par, prefix)
             if run.seq_len > self.model.max_seq_len:
                 raise ValueError(
                     f"{prefix}.seq_len={run.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
@@ -81,6 +87,51 @@ class Recipe(BaseModel):
                 f"model.vocab_size={self.model.vocab_size}; the embedding must cover every token id"
             )
         return self
+
+    # ---- the per-stage specs the libraries receive -----------------------------------------------------
+
+    def pretrain_spec(self) -> PretrainSpec:
+        return PretrainSpec(
+            name=self.name,
+            output_dir=self.output_dir,
+            model=self.model,
+            optim=self.optim,
+            train=self.train,
+            parallel=self.parallel,
+            tracking=self.tracking,
+        )
+
+    def sft_spec(self) -> SFTSpec:
+        ft = self.finetune
+        return SFTSpec(
+            name=self.name,
+            output_dir=self.output_dir,
+            method=ft.method,
+            lora=ft.lora,
+            optim=ft.optim,
+            train=ft.train,
+            eval_examples=ft.eval_examples,
+            parallel=self.parallel,
+            tracking=self.tracking,
+        )
+
+    def sweep_spec(self) -> SweepSpec:
+        return SweepSpec(
+            name=self.name,
+            output_dir=self.output_dir,
+            sweep=self.sweep,
+            base=self.pretrain_spec(),
+            tracking=self.tracking,
+        )
+
+    def eval_spec(self) -> EvalSpec:
+        return EvalSpec(
+            name=self.name, output_dir=self.output_dir, eval=self.eval, data=self.data, tracking=self.tracking
+        )
+
+    def override(self, *changes: Change) -> Recipe:
+        """This recipe with `a.b=c` strings or {"a.b": value} mappings applied, validated again."""
+        return validate_recipe(apply_overrides(self.model_dump(mode="json"), changes))
 
     def digest(self) -> str:
         """sha256 of the canonical JSON of the resolved recipe, less where runs are recorded (used in run tags)."""
@@ -102,31 +153,6 @@ def resolve_recipe_path(recipe: str | Path) -> Path:
     raise ConfigError(
         f"recipe {str(recipe)!r} is neither a file nor a name in {CONFIG_DIR} (available: {available})"
     )
-
-
-def parse_override(override: str) -> tuple[list[str], Any]:
-    """`a.b=c` -> (["a", "b"], c) with c parsed as YAML (so 3, 1e-3, true, [1, 2] get their types)."""
-    key, sep, raw = override.partition("=")
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(
-            f"override {override!r} must look like section.field=value, e.g. train.max_steps=200"
-        )
-    return key.split("."), yaml.safe_load(raw) if raw else None
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of `data` with each `a.b=c` applied; intermediate sections are created as needed."""
-    result = json.loads(json.dumps(data))  # deep copy of plain YAML data
-    for override in overrides:
-        path, value = parse_override(override)
-        node = result
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {override!r}: {part!r} is a value, not a section")
-            node = child
-        node[path[-1]] = value
-    return result
 
 
 def format_validation_error(error: ValidationError) -> str:

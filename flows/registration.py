@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from evaluation.gates import gate_results
+from evaluation.report import EvalReport
+from flows.recipe import Recipe
 from infra.registry import RegisteredVersion, register
+from training.stage import TrainedModel
 
 
-def register_final(recipe: Any, ref: Any, report: Any, base_name: str | None) -> RegisteredVersion:
+def register_final(
+    recipe: Recipe, ref: TrainedModel, report: EvalReport, base_name: str | None
+) -> RegisteredVersion:
+    """Gate the model on the report; register it (alias only when every gate passes)."""
     names = list(report.models)
     gates = gate_results(report, names[-1], base_name, ref, recipe.eval)
     name = recipe.eval.register_name or f"lmforge-{recipe.name.removesuffix('-optimal')}"
@@ -24,6 +28,6 @@ def register_final(recipe: Any, ref: Any, report: Any, base_name: str | None) ->
         name,
         recipe.eval.alias,
         gates,
-        report.out_dir,
+        report.path,
         "\n".join(lines),
     )

@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 
 from evaluation.scaling_data import ScalingPoints, points_from_table
 from evaluation.scaling_report import FIT_FILE, PLOTS, ScalingFit, run_fit_scaling
-from infra.tracking import make_tracker
+from flows.recipe import Recipe
+from infra.tracking import TrackedRun, tracking_uri
 from training.sweep import SweepResult
 
 
@@ -35,12 +36,12 @@ def sweep_points(results: str | Path) -> ScalingPoints:
     )
 
 
-def target_budget(recipe: Any) -> float:
+def target_budget(recipe: Recipe) -> float:
     """The compute budget the final model is sized for: `sweep.target_budget`, else the largest swept budget."""
     return float(recipe.sweep.target_budget or max(recipe.sweep.budgets))
 
 
-def fit_sweep(recipe: Any, sweep: SweepResult, n_bootstrap: int = 2000) -> ScalingFit:
+def fit_sweep(recipe: Recipe, sweep: SweepResult, n_bootstrap: int = 2000) -> ScalingFit:
     """Fit the sweep's results (cached in `<sweep dir>/fit/`) and log the fit to the sweep's MLflow run."""
     out = Path(sweep.sweep_dir) / "fit"
     if (out / FIT_FILE).is_file():
@@ -48,7 +49,8 @@ def fit_sweep(recipe: Any, sweep: SweepResult, n_bootstrap: int = 2000) -> Scali
     fit = run_fit_scaling(
         sweep_points(sweep.results), out, target_budget=target_budget(recipe), n_bootstrap=n_bootstrap
     )
-    tracker = make_tracker(recipe.tracking, recipe.output_dir, sweep.mlflow_run_id, rank=0)
+    uri = tracking_uri(recipe.tracking, recipe.output_dir) if recipe.tracking.enabled else None
+    tracker = TrackedRun(uri=uri, run_id=sweep.mlflow_run_id).tracker()
     tracker.log_metrics({f"fit/{k}": v for k, v in fit.law.items()}, step=0)
     tracker.log_metrics({"fit/n_opt": fit.optimal.n_opt, "fit/d_opt": fit.optimal.d_opt}, step=0)
     for name in (FIT_FILE, *PLOTS):
@@ -57,11 +59,10 @@ def fit_sweep(recipe: Any, sweep: SweepResult, n_bootstrap: int = 2000) -> Scali
 
 
 def size_for_budget(
-    recipe: Any, n_opt: float, budget: float, swept: tuple[float, float] | None = None, max_depth: int = 16
-) -> tuple[Any, str]:
+    recipe: Recipe, n_opt: float, budget: float, swept: tuple[float, float] | None = None, max_depth: int = 16
+) -> tuple[Recipe, str]:
     """The recipe at the depth whose active parameter count is nearest N* (in log space), trained for
     D = C / (6·N) tokens; returns it and a one-line explanation (which flags an N* outside the `swept` sizes)."""
-    from flows.recipe import validate_recipe
     from training.accounting import count_parameters
     from training.sweep import sized_model
 
@@ -73,15 +74,20 @@ def size_for_budget(
     n = count_parameters(model).matmul_active
     tokens_per_step = recipe.train.global_batch(recipe.parallel.world_size) * recipe.train.seq_len
     steps = max(1, round(budget / (6.0 * n) / tokens_per_step))
-    data = recipe.model_dump(mode="json")
-    data["model"] = model.model_dump(mode="json")
     every = max(1, steps // 3)
-    data["train"] |= {"max_steps": steps, "eval_every": every, "checkpoint_every": every}
-    data["optim"] |= {"warmup_steps": min(recipe.optim.warmup_steps, max(1, steps // 10))}
+    sized = recipe.override(
+        {
+            "model": model.model_dump(mode="json"),
+            "train.max_steps": steps,
+            "train.eval_every": every,
+            "train.checkpoint_every": every,
+            "optim.warmup_steps": min(recipe.optim.warmup_steps, max(1, steps // 10)),
+        }
+    )
     note = (
         f"C={budget:.3g} FLOPs: fitted N*={n_opt:.3g}; nearest size depth {depth} (N={n:,}), "
         f"D={steps * tokens_per_step:,} tokens ({steps} steps, {steps * tokens_per_step / n:.1f} tokens/param)"
     )
     if swept and not swept[0] <= n_opt <= swept[1]:
         note += f"; N* lies outside the swept sizes ({swept[0]:,.0f}–{swept[1]:,.0f}): an extrapolation, widen the sweep"
-    return validate_recipe(data), note
+    return sized, note

@@ -1,21 +1,23 @@
-"""MLflow: the tracking configuration, the default embedded store, and the `Tracker` implementation.
+"""MLflow: the tracking configuration, the `Tracker` protocol the training loop logs through, and one run object.
 
 Default: `sqlite:///<output_dir>/mlflow.db` with artifacts under `<output_dir>/mlartifacts` (MLflow 3 refuses
-the old `./mlruns` file store). Only rank 0 logs. A run is created by the driver and continued by id, so a
-resumed training run keeps logging into the same MLflow run.
+the old `./mlruns` file store). Only rank 0 logs. A `TrackedRun` (store URI + run id, serialisable) is created
+by the driver and continued by id, so a resumed training run keeps logging into the same MLflow run;
+`tracked_run` finishes it FINISHED, or FAILED on any exception.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from infra.secrets import SECRET_NAME, redact, url_has_password
-from training.tracking import NullTracker, Tracker, flatten
 
 log = logging.getLogger(__name__)
 
@@ -63,34 +65,146 @@ def tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
     )
 
 
-def _experiment_id(cfg: TrackingConfig, output_dir: str | Path) -> str:
+class Tracker(Protocol):
+    """Rank 0's metrics, parameters and artifacts sink."""
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+
+
+class NullTracker:
+    """Logs nothing: ranks other than 0, unit tests, and runs with tracking disabled."""
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"model": {"d_model": 64}} -> {"model.d_model": 64}: a config as MLflow parameters."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _experiment_id(uri: str, cfg: TrackingConfig, output_dir: str | Path) -> str:
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri(cfg, output_dir))
+    mlflow.set_tracking_uri(uri)
     experiment = mlflow.get_experiment_by_name(cfg.experiment)
     if experiment is not None:
         return experiment.experiment_id
-    local = tracking_uri(cfg, output_dir).startswith("sqlite:")
-    location = (Path(output_dir).resolve() / "mlartifacts").as_uri() if local else None
+    location = (Path(output_dir).resolve() / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
     return mlflow.create_experiment(cfg.experiment, artifact_location=location)
 
 
-def start_run(
-    cfg: TrackingConfig, output_dir: str | Path, run_name: str, run_id: str | None, tags: dict[str, str]
-) -> str | None:
-    """Create (or find again) the MLflow run for a stage; returns its id, or None when tracking is off."""
+class TrackedRun(BaseModel):
+    """One MLflow run: where its store is and its id; both None when tracking is off. Passed to workers as is."""
+
+    model_config = ConfigDict(frozen=True)
+
+    uri: str | None = None
+    run_id: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.uri is not None and self.run_id is not None
+
+    def tracker(self, rank: int = 0) -> Tracker:
+        """MLflow on rank 0 of an enabled run, else a tracker that logs nothing."""
+        if rank != 0 or not self.enabled:
+            return NullTracker()
+        return MLflowTracker(self.uri, self.run_id)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self.enabled:
+            import mlflow
+
+            mlflow.MlflowClient(self.uri).set_terminated(self.run_id, status=status)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if self.enabled:
+            import mlflow
+
+            client = mlflow.MlflowClient(self.uri)
+            for key, value in redact(tags).items():
+                client.set_tag(self.run_id, key, value)
+
+    def url(self, ui: str = "http://127.0.0.1:5000") -> str:
+        """The run's page in the MLflow UI (served by `lmforge up` or `mlflow ui` at `ui`)."""
+        if not self.enabled:
+            return ""
+        import mlflow
+
+        base = self.uri if self.uri.startswith("http") else os.environ.get("LMFORGE_MLFLOW_UI", ui)
+        experiment = mlflow.MlflowClient(self.uri).get_run(self.run_id).info.experiment_id
+        return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{self.run_id}"
+
+    def log_dataset(self, name: str, rows: list[dict[str, Any]], source: str, digest: str) -> None:
+        """Record a dataset (one row per shard: file, sha256, tokens) as an input of this run, by digest."""
+        if not self.enabled:
+            return
+        import mlflow
+        import pandas as pd
+
+        mlflow.set_tracking_uri(self.uri)
+        dataset = mlflow.data.from_pandas(pd.DataFrame(rows), source=source, name=name, digest=digest[:36])
+        with mlflow.start_run(run_id=self.run_id):
+            mlflow.log_input(dataset, context="training")
+
+
+def open_run(
+    cfg: TrackingConfig,
+    output_dir: str | Path,
+    run_name: str,
+    tags: dict[str, str],
+    resume_id: str | None = None,
+) -> TrackedRun:
+    """Create the MLflow run for a stage (nested under `cfg.parent_run_id`), or continue `resume_id`."""
     if not cfg.enabled:
-        return None
+        return TrackedRun()
+    uri = tracking_uri(cfg, output_dir)
+    if resume_id is not None:
+        return TrackedRun(uri=uri, run_id=resume_id)
     import mlflow
 
-    client = mlflow.MlflowClient(tracking_uri(cfg, output_dir))
-    if run_id is not None:
-        return run_id
     tags = redact({**cfg.tags, **tags})
     if cfg.parent_run_id:
         tags["mlflow.parentRunId"] = cfg.parent_run_id
-    run = client.create_run(_experiment_id(cfg, output_dir), run_name=run_name, tags=tags)
-    return run.info.run_id
+    client = mlflow.MlflowClient(uri)
+    run = client.create_run(_experiment_id(uri, cfg, output_dir), run_name=run_name, tags=tags)
+    return TrackedRun(uri=uri, run_id=run.info.run_id)
+
+
+@contextmanager
+def tracked_run(
+    cfg: TrackingConfig,
+    output_dir: str | Path,
+    run_name: str,
+    tags: dict[str, str],
+    resume_id: str | None = None,
+) -> Iterator[TrackedRun]:
+    """`open_run` for the duration of a block: FINISHED when it returns, FAILED when it raises (then re-raised)."""
+    run = open_run(cfg, output_dir, run_name, tags, resume_id)
+    try:
+        yield run
+    except BaseException:
+        run.finish("FAILED")
+        raise
+    run.finish()
 
 
 class MLflowTracker:
@@ -125,69 +239,3 @@ class MLflowTracker:
             self.client.log_artifacts(self.run_id, str(path), artifact_path)
         else:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
-
-    def close(self) -> None:
-        pass
-
-
-def make_tracker(cfg: TrackingConfig, output_dir: str | Path, run_id: str | None, rank: int) -> Tracker:
-    if rank != 0 or run_id is None or not cfg.enabled:
-        return NullTracker()
-    return MLflowTracker(tracking_uri(cfg, output_dir), run_id)
-
-
-def finish_run(
-    cfg: TrackingConfig, output_dir: str | Path, run_id: str | None, status: str = "FINISHED"
-) -> None:
-    if run_id is None or not cfg.enabled:
-        return
-    import mlflow
-
-    mlflow.MlflowClient(tracking_uri(cfg, output_dir)).set_terminated(run_id, status=status)
-
-
-def log_dataset_input(
-    cfg: TrackingConfig,
-    output_dir: str | Path,
-    run_id: str | None,
-    name: str,
-    rows: list[dict[str, Any]],
-    source: str,
-    digest: str,
-) -> None:
-    """Record a dataset (one row per shard: file, sha256, tokens) as an MLflow input of `run_id`, by digest."""
-    if run_id is None or not cfg.enabled:
-        return
-    import mlflow
-    import pandas as pd
-
-    mlflow.set_tracking_uri(tracking_uri(cfg, output_dir))
-    dataset = mlflow.data.from_pandas(pd.DataFrame(rows), source=source, name=name, digest=digest[:36])
-    with mlflow.start_run(run_id=run_id):
-        mlflow.log_input(dataset, context="training")
-
-
-def set_run_tags(
-    cfg: TrackingConfig, output_dir: str | Path, run_id: str | None, tags: dict[str, str]
-) -> None:
-    if run_id is None or not cfg.enabled:
-        return
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri(cfg, output_dir))
-    for key, value in tags.items():
-        client.set_tag(run_id, key, value)
-
-
-def run_url(
-    cfg: TrackingConfig, output_dir: str | Path, run_id: str | None, ui: str = "http://127.0.0.1:5000"
-) -> str:
-    """The run's page in the MLflow UI (served by `lmforge up` or `mlflow ui` at `ui`)."""
-    if run_id is None or not cfg.enabled:
-        return ""
-    import mlflow
-
-    uri = tracking_uri(cfg, output_dir)
-    base = uri if uri.startswith("http") else os.environ.get("LMFORGE_MLFLOW_UI", ui)
-    experiment = mlflow.MlflowClient(uri).get_run(run_id).info.experiment_id
-    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"

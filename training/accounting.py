@@ -1,13 +1,14 @@
 """Parameters, FLOPs and memory of a model from its config alone, before anything is allocated.
 
-Parameter counts are exact (tested against `transformers` on the meta device). FLOPs follow Kaplan et al. 2020
+Parameter counts come from the model itself, built on the meta device (no memory) and classified by parameter
+name, so they cannot drift from the module; they are tested against `transformers` and published counts. FLOPs follow Kaplan et al. 2020
 (6 FLOPs per matmul parameter per trained token) plus the attention term of Chowdhery et al. 2022 (PaLM,
 App. B): 12·L·H·D·T per token, counting the full T×T score matrix (a causal-exact count would halve it).
 Matmul parameters include the LM head (its matmul runs even when tied to the embedding) and exclude the
 embedding lookup. MoE counts only the top-k experts a token visits (active parameters).
 
-Memory follows Rajbhandari et al. 2020 (ZeRO): mixed precision with Adam keeps 2 + 2 + 12 bytes per parameter
-(16-bit weights and gradients; fp32 master weights, momentum and variance); ZeRO-1 shards the optimizer states,
+Memory follows Rajbhandari et al. 2020 (ZeRO): mixed precision keeps 16-bit weights and gradients, fp32 master
+weights and the optimiser's fp32 state (`training.optim.STATE_BYTES`: 8 for Adam's two moments, so 2 + 2 + 12); ZeRO-1 shards the optimizer states,
 ZeRO-2 also the gradients, ZeRO-3 also the weights, across the data-parallel ranks. Expert parameters are split
 over `ep_size` ranks first. Activations are an estimate: the tensors autograd saves per layer (listed in
 `activation_elements_per_token`), ignoring small statistics (RMS, softmax log-sum-exp) and allocator slack.
@@ -16,9 +17,13 @@ over `ep_size` ranks first. Activations are an estimate: the tensors autograd sa
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Literal
 
-from training.model import ModelConfig
+import torch
+
+from training.model import ModelConfig, Transformer
+from training.optim import STATE_BYTES
 
 Precision = Literal["fp32", "bf16", "fp16"]
 BYTES_PER_ELEMENT: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -45,33 +50,42 @@ class ParamCounts:
         return self.active - self.embedding - self.norms + (self.embedding if self.lm_head == 0 else 0)
 
 
+def component(name: str) -> str:
+    """Which part of the model a parameter (by its Hugging Face-style name) belongs to."""
+    if name == "model.embed_tokens.weight":
+        return "embedding"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if "norm" in name:
+        return "norms"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp.experts." in name:
+        return "experts"
+    if name.endswith(".mlp.gate.weight"):
+        return "router"
+    if ".mlp." in name:
+        return "mlp"
+    raise ValueError(f"parameter {name!r} belongs to no known component; teach training/accounting.py its name")
+
+
 def count_parameters(cfg: ModelConfig) -> ParamCounts:
-    """Exact parameter counts of `training.model.Transformer(cfg)`."""
-    C, D, F = cfg.d_model, cfg.head_dim, cfg.d_ff
-    embedding = cfg.vocab_size * C
-    attention = cfg.n_layers * (2 * C * cfg.n_heads * D + 2 * C * cfg.n_kv_heads * D)
-    norms = (2 * cfg.n_layers + 1) * C
-    lm_head = 0 if cfg.tie_embeddings else cfg.vocab_size * C
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    mlp = (cfg.n_layers - n_moe) * 3 * C * F
-    experts = router = active_experts = 0
-    if cfg.moe is not None:
-        per_expert = 3 * C * cfg.moe.d_ff_expert
-        experts = n_moe * cfg.moe.n_experts * per_expert
-        active_experts = n_moe * cfg.moe.top_k * per_expert
-        router = n_moe * cfg.moe.n_experts * C
-    total = embedding + attention + mlp + experts + router + norms + lm_head
+    """Exact parameter counts of `training.model.Transformer(cfg)`, counted on the meta device."""
+    return _count(cfg.model_dump_json())
+
+
+@lru_cache(maxsize=256)
+def _count(cfg_json: str) -> ParamCounts:
+    cfg = ModelConfig.model_validate_json(cfg_json)
+    with torch.device("meta"):
+        model = Transformer(cfg, seed=None)
+    parts = dict.fromkeys(("embedding", "attention", "mlp", "experts", "router", "norms", "lm_head"), 0)
+    for name, param in model.named_parameters():  # a tied head is the embedding's parameter: counted once
+        parts[component(name)] += param.numel()
+    active_experts = parts["experts"] * cfg.moe.top_k // cfg.moe.n_experts if cfg.moe is not None else 0
+    total = sum(parts.values())
     return ParamCounts(
-        embedding=embedding,
-        attention=attention,
-        mlp=mlp,
-        experts=experts,
-        router=router,
-        norms=norms,
-        lm_head=lm_head,
-        total=total,
-        active=total - experts + active_experts,
-        active_experts=active_experts,
+        **parts, total=total, active=total - parts["experts"] + active_experts, active_experts=active_experts
     )
 
 
@@ -113,9 +127,11 @@ class MemoryEstimate:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
-def state_bytes_per_param(precision: Precision) -> tuple[int, int, int]:
-    """(weights, gradients, Adam optimizer state) bytes per parameter: 2+2+12 mixed precision, 4+4+8 fp32."""
-    return (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+def state_bytes_per_param(precision: Precision, optimizer: str = "adamw") -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes per parameter: with Adam 2+2+12 mixed precision (the state
+    includes the fp32 master weights), 4+4+8 fp32."""
+    state = STATE_BYTES[optimizer]
+    return (4, 4, state) if precision == "fp32" else (2, 2, 4 + state)
 
 
 def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bool) -> tuple[int, int]:
@@ -149,12 +165,13 @@ def training_memory(
     seq_len: int,
     activation_checkpointing: bool = False,
     ep_size: int = 1,
+    optimizer: str = "adamw",
 ) -> MemoryEstimate:
     """Per-device bytes for weights, gradients, optimizer state (ZeRO-sharded) and one micro-batch's activations."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
     params = count_parameters(cfg)
-    w, g, o = state_bytes_per_param(precision)
+    w, g, o = state_bytes_per_param(precision, optimizer)
     dense_params = params.total - params.experts
     expert_params = params.experts / ep_size  # each rank holds n_experts / ep_size experts
     dense_dp, expert_dp = world_size, max(1, world_size // ep_size)
@@ -189,6 +206,7 @@ def summarize(
     seq_len: int,
     activation_checkpointing: bool = False,
     ep_size: int = 1,
+    optimizer: str = "adamw",
 ) -> dict[str, dict[str, int | float | str]]:
     """Everything above as one JSON-ready dict (what `lmforge model summary --json` prints)."""
     params = count_parameters(cfg)
@@ -202,6 +220,7 @@ def summarize(
         seq_len=seq_len,
         activation_checkpointing=activation_checkpointing,
         ep_size=ep_size,
+        optimizer=optimizer,
     )
     return {
         "parameters": {**asdict(params), "matmul_active": params.matmul_active},
@@ -217,6 +236,7 @@ def summarize(
             "zero_stage": zero_stage,
             "world_size": world_size,
             "ep_size": ep_size,
+            "optimizer": optimizer,
             "micro_batch": micro_batch,
             "seq_len": seq_len,
             "activation_checkpointing": str(activation_checkpointing).lower(),

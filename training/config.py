@@ -1,12 +1,12 @@
 """Configuration slices for training: optimiser and schedule, parallelism, and the run itself.
 
 Each slice is a frozen pydantic model with unknown keys forbidden; the recipe (`flows/recipe.py`) composes them
-and checks the rules that span slices. Components receive only their own slice.
+into per-stage specs (a `TrainingSpec` per training stage), and components receive only their own slice.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -18,6 +18,8 @@ from pydantic import (
     PositiveInt,
     model_validator,
 )
+
+from infra.tracking import TrackingConfig
 
 
 class OptimConfig(BaseModel):
@@ -59,6 +61,10 @@ class ParallelConfig(BaseModel):
     deepspeed: dict[str, Any] = Field(
         default_factory=dict
     )  # extra keys merged into the generated DeepSpeed config
+
+    def what(self) -> dict[str, Any]:
+        """The settings that can change the trained weights (not threads, restarts or placement)."""
+        return self.model_dump(mode="json", exclude={"threads_per_worker", "max_failures", "placement"})
 
     @model_validator(mode="after")
     def _check_ep(self) -> ParallelConfig:
@@ -154,3 +160,37 @@ class SweepConfig(BaseModel):
     reduction_factor: float = Field(3.0, gt=1)
     report_every: PositiveInt = 10  # steps between reports to Tune
     target_budget: PositiveFloat | None = None  # the fit's compute-optimal size is chosen for this budget
+
+
+def check_batch(train: TrainConfig, parallel: ParallelConfig, prefix: str = "train") -> None:
+    """The global batch must split evenly into micro-batches over the workers."""
+    per_step = train.micro_batch_size * parallel.world_size
+    if train.global_batch(parallel.world_size) % per_step:
+        raise ValueError(
+            f"{prefix}.global_batch_size={train.global_batch_size} must be a multiple of "
+            f"{prefix}.micro_batch_size={train.micro_batch_size} x parallel.world_size={parallel.world_size} = {per_step}"
+        )
+
+
+class TrainingSpec(BaseModel):
+    """What one training stage receives: its name, where outputs go, its optimiser, run and parallel slices and
+    tracking. Subclasses add their own slices and list in `KEY` the fields that determine the trained weights
+    (opt-in: a new recipe section can never re-key a run)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    KEY: ClassVar[set[str]] = {"optim", "train"}
+
+    name: str
+    output_dir: str
+    optim: OptimConfig
+    train: TrainConfig
+    parallel: ParallelConfig = ParallelConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    def key(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", include=self.KEY) | {"parallel": self.parallel.what()}
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> TrainingSpec:
+        check_batch(self.train, self.parallel)
+        return self

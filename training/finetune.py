@@ -1,8 +1,9 @@
-"""Stage 3: supervised fine-tuning, full or LoRA, on a pretrained checkpoint: `run_sft(recipe, base, data)`.
+"""Stage 3: supervised fine-tuning, full or LoRA, of a pretrained model, as a stage over the one lifecycle.
 
-The same engine and loop as pretraining, fed SFT batches whose targets cover only assistant tokens. Before and
-after training it measures the held-out response-token loss (the loop's val/loss at the first and last step)
-and exact match of greedy answers to held-out prompts. Outputs: for LoRA a PEFT adapter directory (loads on the
+`run_sft(spec, base, data) -> TrainedModel`: the same engine and loop as pretraining, fed SFT batches whose
+targets cover only assistant tokens (the loss is the mean over the step's response tokens). Before and after
+training it measures the held-out response-token loss (the loop's val/loss at the first and last step) and
+exact match of greedy answers to held-out prompts. Outputs: for LoRA a PEFT adapter directory (loads on the
 base's Hugging Face export with `PeftModel.from_pretrained`, verified) plus a merged export; for full SFT an
 export. Both exports are verified against our model's logits like every export.
 """
@@ -11,33 +12,44 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import PositiveInt
 from tokenizers import Tokenizer
+from torch import nn
 
+from data_pipeline.loader import SampledLoader
 from data_pipeline.sft import Messages, SFTLoader, SFTManifest, render
 from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import END_OF_TURN, describe
-from infra.storage import MANIFEST, atomic_write_json, digest_of, stage_dir
-from infra.tracking import finish_run, make_tracker, start_run
-from training import checkpoint as ckpt
-from training.accounting import flops_per_token
+from infra.steps import Artifact
+from infra.storage import atomic_write_json
+from infra.tracking import Tracker
+from training.config import LoraSettings, TrainingSpec
 from training.export import export_hf
-from training.launch import run_stage_workers
-from training.loop import LoopSetup, resume, train_loop
+from training.loop import Batches
 from training.lora import apply_lora, merged_state_dict, save_adapter, trainable_counts
 from training.model import ModelConfig, Transformer
-from training.pretrain import CheckpointRef, Progress, git_revision, peak_flops_for, read_metrics
 from training.sampling import generate
+from training.stage import Progress, TrainedModel, TrainingJob, TrainingStage, run_training_stage, val_losses
 
 log = logging.getLogger(__name__)
-SFT_VERSION = 1
 
 
-def base_model(base: CheckpointRef) -> Transformer:
+class SFTSpec(TrainingSpec):
+    """What fine-tuning receives: the method and adapter settings plus the common training slices."""
+
+    KEY: ClassVar[set[str]] = {"method", "lora", "optim", "train", "eval_examples"}
+
+    method: Literal["full", "lora"] = "lora"
+    lora: LoraSettings = LoraSettings()
+    eval_examples: PositiveInt = 64  # held-out prompts for exact match before and after
+
+
+def base_model(base: TrainedModel) -> Transformer:
     """The pretrained model in fp32 from its final checkpoint."""
     from training.parallel import fp32_state_dict
 
@@ -47,124 +59,127 @@ def base_model(base: CheckpointRef) -> Transformer:
     return model
 
 
-def check_tokenizers(base: CheckpointRef, data: SFTManifest) -> None:
-    if base.tokenizer_digest != data.tokenizer_digest:
-        raise DataError(
-            f"the base model was trained with tokenizer {base.tokenizer_digest[:16]}... but the SFT data "
-            f"{data.path} was made with {data.tokenizer_digest[:16]}...; rebuild the SFT data with the base's tokenizer"
+def build_model(base: TrainedModel, spec: SFTSpec) -> nn.Module:
+    model = base_model(base)
+    return apply_lora(model, spec.lora) if spec.method == "lora" else model
+
+
+class SFT(TrainingStage):
+    name = "sft"
+    version = 2
+
+    def check(self, spec: SFTSpec, inputs: Mapping[str, Artifact]) -> None:
+        base, data = inputs["base"], inputs["data"]
+        assert isinstance(base, TrainedModel) and isinstance(data, SFTManifest)
+        if base.tokenizer_digest != data.tokenizer_digest:
+            raise DataError(
+                f"the base model was trained with tokenizer {base.tokenizer_digest[:16]}... but the SFT data "
+                f"{data.path} was made with {data.tokenizer_digest[:16]}...; rebuild the SFT data with the base's tokenizer"
+            )
+        if data.seq_len != spec.train.seq_len:
+            raise DataError(
+                f"SFT data has seq_len={data.seq_len}, finetune.train.seq_len={spec.train.seq_len}; rebuild it "
+                "with the fine-tuning sequence length"
+            )
+
+    def run_name(self, spec: SFTSpec) -> str:
+        return f"{spec.name}-{spec.method}"
+
+    def tags(self, spec: SFTSpec, inputs: Mapping[str, Artifact]) -> dict[str, str]:
+        base = inputs["base"]
+        return {
+            "lmforge.method": spec.method,
+            "lmforge.base_run_id": str(base.mlflow_run_id),
+            "lmforge.base_run_dir": base.path,
+        }
+
+    def model_config(self, job: TrainingJob) -> ModelConfig:
+        return ModelConfig(**job.inputs["base"].model)
+
+    def build_model(self, job: TrainingJob) -> nn.Module:
+        return build_model(job.inputs["base"], job.spec)
+
+    def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
+        data: SFTManifest = job.inputs["data"]
+        common = {
+            "batch_size": job.spec.train.micro_batch_size,
+            "rank": rank,
+            "world_size": world,
+            "tokenizer_digest": job.inputs["base"].tokenizer_digest,
+        }
+        train = SFTLoader(data, "train", seed=job.spec.train.seed, **common)
+        return train, SFTLoader(data, "heldout", shuffle=False, **common)
+
+    def finalize(self, job: TrainingJob, final: Path, tracker: Tracker) -> TrainedModel:
+        """Adapter / merged export (verified), before-and-after metrics."""
+        from training import checkpoint as ckpt
+        from training.parallel import fp32_state_dict
+
+        spec: SFTSpec = job.spec
+        base: TrainedModel = job.inputs["base"]
+        cfg = ModelConfig(**base.model)
+        state = fp32_state_dict(final, tie_embeddings=False)
+        adapter_dir = None
+        tokenizer = describe(Path(base.hf_export)).load()
+        examples = heldout_examples(job.inputs["data"], spec.eval_examples)
+        model = base_model(base)  # the base is read once: scored first, then turned into the tuned model
+        match_before = exact_match(model, tokenizer, examples)
+        tuned = apply_lora(model, spec.lora) if spec.method == "lora" else model
+        trainable, total = trainable_counts(tuned)
+        if spec.method == "lora":
+            tuned.load_state_dict(state, strict=True)
+            adapter_dir = job.run_dir / "adapter"
+            save_adapter(tuned, adapter_dir, base.hf_export)
+            weights = merged_state_dict(tuned)
+        else:
+            weights = state
+            if cfg.tie_embeddings:
+                weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        verification = export_hf(weights, cfg, base.hf_export, job.run_dir / "hf")
+        tuned_model = Transformer(cfg, seed=None)
+        tuned_model.load_state_dict(weights, strict=True)
+        val = val_losses(job.run_dir)
+        summary = {
+            "sft/trainable_params": float(trainable),
+            "sft/trainable_fraction": trainable / total,
+            "sft/heldout_loss_before": val[0],
+            "sft/heldout_loss_after": val[-1],
+            "sft/exact_match_before": match_before,
+            "sft/exact_match_after": exact_match(tuned_model, tokenizer, examples),
+            "export/max_abs_logit_diff": verification["max_abs_logit_diff"],
+        }
+        step = int(ckpt.read_meta(final)["loop"]["step"])
+        tracker.log_metrics(summary, step)
+        tracker.log_artifact(job.run_dir / "hf", "hf_export")
+        if adapter_dir is not None:
+            tracker.log_artifact(adapter_dir, "adapter")
+        atomic_write_json(job.run_dir / "sft_summary.json", summary)
+        return TrainedModel(
+            path=str(job.run_dir),
+            kind="lora" if spec.method == "lora" else "sft-full",
+            checkpoint=str(final.resolve()),
+            hf_export=str((job.run_dir / "hf").resolve()),
+            export_valid=bool(verification["valid"]),
+            max_abs_logit_diff=verification["max_abs_logit_diff"],
+            step=step,
+            final_val_loss=val[-1],
+            tokenizer_digest=base.tokenizer_digest,
+            mlflow_run_id=job.run.run_id,
+            model=base.model,
+            adapter=str(adapter_dir.resolve()) if adapter_dir else None,
+            base_run_dir=base.path,
+            summary=summary,
         )
+
+
+SFT_STAGE = SFT()
 
 
 def run_sft(
-    recipe: Any, base: CheckpointRef, data: SFTManifest, progress: Progress | None = None
-) -> CheckpointRef:
-    """Fine-tune `base` on `data` with `recipe.finetune` (1 worker in-process, N on Ray Train)."""
-    check_tokenizers(base, data)
-    ft = recipe.finetune
-    if data.seq_len != ft.train.seq_len:
-        raise DataError(
-            f"SFT data has seq_len={data.seq_len}, finetune.train.seq_len={ft.train.seq_len}; rebuild it"
-        )
-    key = {
-        "version": SFT_VERSION,
-        "finetune": ft.model_dump(mode="json"),
-        "parallel": recipe.parallel.model_dump(mode="json"),
-        "base": base.config_digest,
-        "base_checkpoint": base.checkpoint,
-        "data": data.path,
-    }
-    run_dir = stage_dir(recipe.output_dir, "sft", f"{recipe.name}-{ft.method}", key)
-    if (run_dir / MANIFEST).is_file():
-        return CheckpointRef.load(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
-    previous_run = ckpt.read_meta(latest).get("mlflow_run_id") if latest else None
-    digest = digest_of(key)
-    tags = {
-        "lmforge.stage": "sft",
-        "lmforge.method": ft.method,
-        "lmforge.config_digest": digest,
-        "lmforge.git": git_revision(),
-        "lmforge.base_run_id": str(base.mlflow_run_id),
-        "lmforge.base_run_dir": base.run_dir,
-    }
-    run_id = start_run(
-        recipe.tracking, recipe.output_dir, f"sft-{ft.method}-{recipe.name}", previous_run, tags
-    )
-    tracker = make_tracker(recipe.tracking, recipe.output_dir, run_id, rank=0)
-    if previous_run is None:
-        tracker.log_params({"finetune": ft.model_dump(mode="json"), "base_run_dir": base.run_dir})
-    spec = {
-        "recipe": recipe.model_dump_json(),
-        "base": base.model_dump_json(),
-        "data": data.model_dump_json(),
-        "run_dir": str(run_dir.resolve()),
-        "mlflow_run_id": run_id,
-        "config_digest": digest,
-    }
-    try:
-        run_stage_workers(sft_worker, spec, recipe.parallel, run_dir, "sft", progress)
-        ref = finalize_sft(recipe, base, data, run_dir, run_id, digest, tracker)
-    except BaseException:
-        finish_run(recipe.tracking, recipe.output_dir, run_id, status="FAILED")
-        raise
-    finish_run(recipe.tracking, recipe.output_dir, run_id)
-    return ref
-
-
-def build_model(base: CheckpointRef, ft: Any) -> torch.nn.Module:
-    model = base_model(base)
-    return apply_lora(model, ft.lora) if ft.method == "lora" else model
-
-
-def sft_worker(spec: dict[str, Any], progress: Progress | None = None) -> None:
-    """One fine-tuning process: base weights (+ adapters), engine, SFT loaders, resume, loop."""
-    from flows.recipe import Recipe
-    from training.parallel import build_engine, init_distributed
-
-    recipe = Recipe.model_validate_json(spec["recipe"])
-    base = CheckpointRef.model_validate_json(spec["base"])
-    data = SFTManifest.model_validate_json(spec["data"])
-    ft, par = recipe.finetune, recipe.parallel
-    torch.set_num_threads(par.threads_per_worker or max(1, (os.cpu_count() or 1) // par.world_size))
-    init_distributed()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    torch.manual_seed(ft.train.seed)
-    model = build_model(base, ft)
-    engine = build_engine(model, ft.optim, par, ft.train)
-    common = {
-        "batch_size": ft.train.micro_batch_size,
-        "rank": rank,
-        "world_size": world,
-        "tokenizer_digest": base.tokenizer_digest,
-    }
-    loader = SFTLoader(data, "train", seed=ft.train.seed, **common)
-    heldout = SFTLoader(data, "heldout", shuffle=False, **common)
-    cfg = ModelConfig(**base.model)
-    setup = LoopSetup(
-        run_dir=Path(spec["run_dir"]),
-        rank=rank,
-        world_size=world,
-        flops_per_token=flops_per_token(cfg, ft.train.seq_len).training,
-        peak_flops=peak_flops_for(
-            par.precision, ft.train, cfg, rank, next(engine.module.parameters()).device
-        ),
-        meta={"mlflow_run_id": spec["mlflow_run_id"], "config_digest": spec["config_digest"]},
-        progress=progress,
-    )
-    state = resume(engine, loader, setup)
-    tracker = make_tracker(recipe.tracking, recipe.output_dir, spec["mlflow_run_id"], rank)
-
-    train_loop(
-        engine,
-        loader,
-        lambda: heldout.epoch_batches(ft.train.eval_batches),
-        ft.train,
-        ft.optim,
-        setup,
-        tracker,
-        state,
-    )
+    spec: SFTSpec, base: TrainedModel, data: SFTManifest, progress: Progress | None = None
+) -> TrainedModel:
+    """Fine-tune `base` on `data` (1 worker in-process, N on Ray Train)."""
+    return run_training_stage(SFT_STAGE, spec, {"base": base, "data": data}, progress)
 
 
 def heldout_examples(data: SFTManifest, limit: int) -> list[Messages]:
@@ -188,75 +203,3 @@ def exact_match(model: Transformer, tokenizer: Tokenizer, examples: list[Message
         answer = tokenizer.decode(out[: out.index(end_id)] if end_id in out else out)
         hits += answer.strip() == reference.strip()
     return hits / max(len(examples), 1)
-
-
-def finalize_sft(
-    recipe: Any,
-    base: CheckpointRef,
-    data: SFTManifest,
-    run_dir: Path,
-    run_id: str | None,
-    digest: str,
-    tracker: Any,
-) -> CheckpointRef:
-    """Adapter / merged export (verified), before-and-after metrics, manifest."""
-    from training.parallel import fp32_state_dict
-
-    ft = recipe.finetune
-    final = ckpt.latest_checkpoint(run_dir / "checkpoints")
-    assert final is not None, "fine-tuning ended without a checkpoint"
-    cfg = ModelConfig(**base.model)
-    state = fp32_state_dict(final, tie_embeddings=False)
-    adapter_dir = None
-    tokenizer = describe(Path(base.hf_export)).load()
-    examples = heldout_examples(data, ft.eval_examples)
-    model = base_model(base)  # the base is read once: scored first, then turned into the tuned model
-    match_before = exact_match(model, tokenizer, examples)
-    tuned = apply_lora(model, ft.lora) if ft.method == "lora" else model
-    trainable, total = trainable_counts(tuned)
-    if ft.method == "lora":
-        tuned.load_state_dict(state, strict=True)
-        adapter_dir = run_dir / "adapter"
-        save_adapter(tuned, adapter_dir, base.hf_export)
-        weights = merged_state_dict(tuned)
-    else:
-        weights = state
-        if cfg.tie_embeddings:
-            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    verification = export_hf(weights, cfg, base.hf_export, run_dir / "hf")
-    tuned_model = Transformer(cfg, seed=None)
-    tuned_model.load_state_dict(weights, strict=True)
-    val = [m["val/loss"] for m in read_metrics(run_dir) if "val/loss" in m]
-    summary = {
-        "sft/trainable_params": float(trainable),
-        "sft/trainable_fraction": trainable / total,
-        "sft/heldout_loss_before": val[0],
-        "sft/heldout_loss_after": val[-1],
-        "sft/exact_match_before": match_before,
-        "sft/exact_match_after": exact_match(tuned_model, tokenizer, examples),
-        "export/max_abs_logit_diff": verification["max_abs_logit_diff"],
-    }
-    meta = ckpt.read_meta(final)
-    tracker.log_metrics(summary, int(meta["loop"]["step"]))
-    tracker.log_artifact(run_dir / "hf", "hf_export")
-    if adapter_dir is not None:
-        tracker.log_artifact(adapter_dir, "adapter")
-    atomic_write_json(run_dir / "sft_summary.json", summary)
-    ref = CheckpointRef(
-        run_dir=str(run_dir.resolve()),
-        checkpoint=str(final.resolve()),
-        hf_export=str((run_dir / "hf").resolve()),
-        export_valid=bool(verification["valid"]),
-        max_abs_logit_diff=verification["max_abs_logit_diff"],
-        step=int(meta["loop"]["step"]),
-        final_val_loss=val[-1],
-        tokenizer_digest=base.tokenizer_digest,
-        mlflow_run_id=run_id,
-        config_digest=digest,
-        model=base.model,
-        adapter=str(adapter_dir.resolve()) if adapter_dir else None,
-        base_run_dir=base.run_dir,
-        summary=summary,
-    )
-    atomic_write_json(run_dir / MANIFEST, ref.model_dump(mode="json"))
-    return ref

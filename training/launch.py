@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from training.config import ParallelConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -69,19 +71,20 @@ def run_workers(
 
 def run_stage_workers(
     worker: Callable[..., None],
-    spec: dict[str, Any],
-    parallel: Any,
+    job: Any,
+    parallel: ParallelConfig,
     run_dir: Path,
     name: str,
-    progress: Any = None,
+    progress: Callable[[int, float, float], None] | None = None,
 ) -> None:
-    """One worker runs in this process (and reports progress); more run as Ray Train workers."""
+    """`worker({"job": job})`: one worker runs in this process (and reports progress); more run on Ray Train."""
+    config = {"job": job}
     if parallel.world_size == 1:
-        worker(spec, progress)
+        worker(config, progress)
     else:
         run_workers(
             worker,
-            spec,
+            config,
             parallel.world_size,
             torch.cuda.is_available(),
             run_dir / "ray",

@@ -1,11 +1,13 @@
-"""The training loop shared by pretraining and SFT: they differ only in the batches they feed it.
+"""The one training loop, shared by every training stage: they differ only in the batches they feed it.
 
-Each optimiser step runs `gradient_accumulation_steps` micro-batches through the DeepSpeed engine. A micro-batch
-whose loss is not finite on any rank is not back-propagated (a zero loss keeps the ranks' collectives in step)
-and the step is taken at learning rate 0, so weights stay bit-identical; such steps are counted, and the run
-stops after `max_bad_steps` in a row. (Adam's moments still decay once on a skipped step.) A non-finite
-gradient norm after a step cannot be undone and stops the run at once.
-Phases: eval, step, log, checkpoint.
+Each optimiser step draws `accumulation_steps` micro-batches and runs them through the `Engine`. The loss is the
+step's global token mean: each micro-batch's mean cross-entropy is weighted by its share of the loss-carrying
+tokens across all micro-batches and ranks (`loss_scale`), so SFT batches with few response tokens weigh less
+(not a mean of means); in pretraining every weight is exactly 1. A micro-batch whose loss is not finite on any
+rank is not back-propagated (a zero loss keeps the ranks' collectives in step) and the step is taken at learning
+rate 0, so weights stay bit-identical; such steps are counted, and the run stops after `max_bad_steps` in a
+row. (Adam's moments still decay once on a skipped step.) A non-finite gradient norm after a step cannot be
+undone and stops the run at once. Phases: eval, step, log, checkpoint.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from data_pipeline.loader import Batch
+from infra.tracking import Tracker
 from training import checkpoint as ckpt
 from training.config import OptimConfig, TrainConfig
+from training.engine import Engine, loss_scale
 from training.moe import RouterStats
 from training.optim import lr_at
-from training.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +40,7 @@ class TrainingHalted(RuntimeError):
 
 
 class Batches(Protocol):
-    def next_batch(self) -> Any: ...
+    def next_batch(self) -> Batch: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -66,11 +70,6 @@ class LoopSetup:
     progress: Callable[[int, float, float], None] | None = None  # (step, loss, tokens/s), rank 0
 
 
-def as_tensors(batch: Any) -> tuple[Tensor, Tensor]:
-    """(inputs, targets) from a pretraining tuple or an SFT batch."""
-    return (batch.inputs, batch.targets) if hasattr(batch, "inputs") else batch
-
-
 def all_reduce_mean(value: Tensor) -> Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()
@@ -79,14 +78,16 @@ def all_reduce_mean(value: Tensor) -> Tensor:
     return value
 
 
+def all_reduce_sum(value: Tensor) -> Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+    return value
+
+
 def zero_loss(module: torch.nn.Module) -> Tensor:
     """A loss of exactly 0 that reaches every parameter, so backward hooks fire as on a real micro-batch."""
     return sum(p.sum() * 0.0 for p in module.parameters() if p.requires_grad)
-
-
-def grad_norm_of(module: torch.nn.Module) -> float:
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
 
 
 def router_metrics(stats: list[RouterStats]) -> dict[str, float]:
@@ -101,27 +102,23 @@ def router_metrics(stats: list[RouterStats]) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(engine: Any, batches: Iterator[Any], device: torch.device) -> float:
-    """Mean cross-entropy over `batches`, averaged over ranks."""
-    engine.eval()
-    total, count = torch.zeros((), device=device), 0
+def evaluate(engine: Engine, batches: Iterator[Batch]) -> float:
+    """Token-weighted mean cross-entropy over `batches` and all ranks."""
+    engine.train(False)
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # (sum of losses, tokens)
     for batch in batches:
-        inputs, targets = (t.to(device) for t in as_tensors(batch))
-        total += engine(inputs, targets=targets).ce_loss.float()
-        count += 1
-    engine.train()
-    return float(all_reduce_mean(total / max(count, 1)))
-
-
-def set_lr(engine: Any, lr: float) -> None:
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
+        n = batch.n_targets()
+        if n:
+            total += torch.stack([engine.forward(batch).ce_loss.double() * n, total.new_tensor(float(n))])
+    engine.train(True)
+    total = all_reduce_sum(total)
+    return float(total[0] / total[1]) if total[1] else float("nan")
 
 
 def train_loop(
-    engine: Any,
+    engine: Engine,
     train: Batches,
-    val: Callable[[], Iterator[Any]] | None,
+    val: Callable[[], Iterator[Batch]] | None,
     cfg: TrainConfig,
     optim: OptimConfig,
     setup: LoopSetup,
@@ -129,16 +126,10 @@ def train_loop(
     state: LoopState,
 ) -> LoopState:
     """Run optimiser steps from `state.step` to `cfg.max_steps`; checkpoints land in `<run_dir>/checkpoints`."""
-    device = next(engine.module.parameters()).device
-    accumulation = engine.gradient_accumulation_steps()
+    accumulation = engine.accumulation_steps
     tokens_per_step = cfg.global_batch(setup.world_size) * cfg.seq_len
     metrics_file = setup.run_dir / "metrics.jsonl"
     checkpoints = setup.run_dir / "checkpoints"
-    # DeepSpeed reports no gradient norm for plain fp32 without ZeRO; there p.grad holds the full gradient.
-    plain_grads = engine.zero_optimization_stage() == 0 and not (
-        engine.bfloat16_enabled() or engine.fp16_enabled()
-    )
-    local_norm = float("nan")
 
     def log(metrics: dict[str, float], step: int) -> None:
         if setup.rank == 0:
@@ -149,31 +140,31 @@ def train_loop(
     while state.step < cfg.max_steps:
         # --- eval
         if val is not None and state.step % cfg.eval_every == 0:
-            log({"val/loss": evaluate(engine, val(), device)}, state.step)
+            log({"val/loss": evaluate(engine, val())}, state.step)
 
         # --- step
         started = time.perf_counter()
         lr = lr_at(state.step, optim, cfg.max_steps)
-        set_lr(engine, lr)
+        micro_batches = [train.next_batch() for _ in range(accumulation)]
+        counts = [batch.n_targets() for batch in micro_batches]
+        n_global = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.float64, device=engine.device)))
         losses, bad = [], False
         stats: list[RouterStats] = []
-        for micro in range(accumulation):
-            inputs, targets = (t.to(device) for t in as_tensors(train.next_batch()))
-            out = engine(inputs, targets=targets)
-            finite = all_reduce_mean(torch.isfinite(out.loss.detach()).float().to(device)) == 1.0
+        for batch, n in zip(micro_batches, counts, strict=True):
+            out = engine.forward(batch)
+            weight = loss_scale(n, n_global, accumulation, setup.world_size) if n else 0.0
+            weighted = out.ce_loss * weight if n else zero_loss(engine.module)
+            loss = weighted + out.aux_loss
+            finite = all_reduce_mean(torch.isfinite(loss.detach()).float().to(engine.device)) == 1.0
             if finite:
-                engine.backward(out.loss)
-                losses.append(out.ce_loss.detach().float())
+                engine.backward(loss)
+                losses.append(weighted.detach().float())
                 stats = out.router_stats
             else:
                 bad = True
                 engine.backward(zero_loss(engine.module))
-            if micro == accumulation - 1:
-                if bad:
-                    set_lr(engine, 0.0)  # the step happens (ranks stay in lockstep) but moves no weight
-                if plain_grads:
-                    local_norm = grad_norm_of(engine.module)
-            engine.step()
+        # the step happens either way (ranks stay in lockstep); at learning rate 0 it moves no weight
+        grad_norm = engine.step(0.0 if bad else lr)
         state.step += 1
         state.tokens += tokens_per_step
         elapsed = time.perf_counter() - started
@@ -190,14 +181,12 @@ def train_loop(
                 )
         else:
             state.consecutive_bad = 0
-            reported = engine.get_global_grad_norm()
-            grad_norm = float(reported) if reported is not None else local_norm
             if not torch.isfinite(torch.tensor(grad_norm)):
                 raise TrainingHalted(
                     f"non-finite gradient norm at step {state.step}: the weights are no longer usable; resume from "
                     f"{ckpt.latest_checkpoint(checkpoints)} with a lower optim.lr or a smaller optim.grad_clip"
                 )
-            loss = float(all_reduce_mean(torch.stack(losses).mean()))
+            loss = float(all_reduce_mean(torch.stack(losses).mean())) if losses else float("nan")
             tokens_per_s = tokens_per_step / elapsed
             metrics = {
                 "train/loss": loss,
@@ -217,7 +206,7 @@ def train_loop(
             save_checkpoint(engine, train, setup, state, cfg.keep_checkpoints)
 
     if val is not None:
-        log({"val/loss": evaluate(engine, val(), device)}, state.step)
+        log({"val/loss": evaluate(engine, val())}, state.step)
     return state
 
 
@@ -226,16 +215,14 @@ def barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(engine: Any, train: Batches, setup: LoopSetup, state: LoopState, keep: int) -> Path:
+def save_checkpoint(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState, keep: int) -> Path:
     """All ranks write into a staging directory; rank 0 renames it into place and marks it complete."""
-    from training.parallel import save_engine
-
     root = setup.run_dir / "checkpoints"
     if setup.rank == 0:
         ckpt.prepare_staging(root, state.step)
     barrier()
     staging = ckpt.staging_dir(root, state.step)
-    save_engine(engine, staging)
+    engine.save(staging)
     ckpt.save_rank_state(staging, setup.rank, train.state_dict())
     barrier()
     if setup.rank == 0:
@@ -244,14 +231,12 @@ def save_checkpoint(engine: Any, train: Batches, setup: LoopSetup, state: LoopSt
     return ckpt.step_dir(root, state.step)
 
 
-def resume(engine: Any, train: Batches, setup: LoopSetup) -> LoopState:
+def resume(engine: Engine, train: Batches, setup: LoopSetup) -> LoopState:
     """Load the newest complete checkpoint, if any: engine, RNG, loader position and loop counters."""
-    from training.parallel import load_engine
-
     latest = ckpt.latest_checkpoint(setup.run_dir / "checkpoints")
     if latest is None:
         return LoopState()
-    load_engine(engine, latest)
+    engine.load(latest)
     rank_state = ckpt.load_rank_state(latest, setup.rank)
     ckpt.set_rng_state(rank_state["rng"])
     train.load_state_dict(rank_state["loader"])

@@ -244,8 +244,9 @@ class ModelOutput:
     """Forward result. `loss` is the training objective: cross-entropy plus the weighted router losses."""
 
     logits: Tensor  # (B, T, V)
-    loss: Tensor | None = None
-    ce_loss: Tensor | None = None
+    loss: Tensor | None = None  # ce_loss + aux_loss
+    ce_loss: Tensor | None = None  # mean over the positions that carry loss
+    aux_loss: Tensor | float = 0.0  # weighted router losses (0 for dense models)
     router_stats: list[RouterStats] = field(default_factory=list)  # one per MoE layer
 
 
@@ -298,7 +299,8 @@ class Transformer(nn.Module):
         if targets is None:
             return ModelOutput(logits=logits, router_stats=stats)
         ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-        return ModelOutput(logits=logits, loss=ce + self.router_loss(stats), ce_loss=ce, router_stats=stats)
+        aux = self.router_loss(stats)
+        return ModelOutput(logits=logits, loss=ce + aux, ce_loss=ce, aux_loss=aux, router_stats=stats)
 
     def router_loss(self, stats: list[RouterStats]) -> Tensor | float:
         """Load-balancing and z-losses averaged over MoE layers (so coefficients do not depend on depth)."""

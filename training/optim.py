@@ -1,4 +1,5 @@
-"""Optimiser parameter groups and learning-rate schedules, as pure functions of the config.
+"""Optimisers, built in one place: parameter groups, the optimiser itself, its state size, and learning-rate
+schedules as pure functions of the config. A new optimiser touches `OptimConfig.name` and this module only.
 
 AdamW (Loshchilov & Hutter 2019) with decoupled weight decay on matrices only: no decay on norms, biases or the
 embedding. Muon (Jordan et al. 2024) is DeepSpeed's: it takes every matrix but the embedding and the head
@@ -10,7 +11,10 @@ embedding. Muon (Jordan et al. 2024) is DeepSpeed's: it takes every matrix but t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 from training.config import OptimConfig
@@ -33,6 +37,28 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         {"name": "no_decay", "params": plain, "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
+
+
+# fp32 bytes of optimiser state per trained parameter (AdamW: two moments; Muon: one momentum on the matrices
+# it owns, which are nearly all of a model's parameters).
+STATE_BYTES: dict[str, int] = {"adamw": 8, "muon": 4}
+
+
+@dataclass(frozen=True)
+class BuiltByDeepSpeed:
+    """An optimiser DeepSpeed constructs itself from its config section (it owns Muon's orthogonalisation)."""
+
+    config: dict[str, Any]
+
+
+def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer | BuiltByDeepSpeed:
+    """The optimiser over `groups` (from `param_groups`, possibly split further by the engine)."""
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+    if cfg.name == "muon":
+        params = {"lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
+        return BuiltByDeepSpeed({"type": "Muon", "params": params})
+    raise ValueError(f"optim.name={cfg.name!r} has no builder in training/optim.py")
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -1,5 +1,6 @@
-"""DeepSpeed inside one worker: accelerator choice, the generated DeepSpeed config, the engine, the expert-parallel
-MoE swap, and checkpoint I/O. The only module that imports `deepspeed`.
+"""DeepSpeed inside one worker: the process group, the generated DeepSpeed config, the `Engine` the loop drives,
+the expert-parallel MoE swap, and reading weights back from its checkpoints. The only module that imports
+`deepspeed`; the optimiser itself comes from `training/optim.py`.
 
 References: Rajbhandari et al. 2020 (ZeRO); Rajbhandari et al. 2022 (DeepSpeed-MoE, expert parallelism).
 The accelerator is CUDA when present, else DeepSpeed's CPU accelerator over gloo.
@@ -17,10 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from data_pipeline.loader import Batch
 from training.config import OptimConfig, ParallelConfig, TrainConfig
-from training.model import Transformer
+from training.model import ModelOutput, Transformer
 from training.moe import MoE, MoEConfig, RouterStats
-from training.optim import param_groups
+from training.optim import BuiltByDeepSpeed, build_optimizer, param_groups
 
 log = logging.getLogger(__name__)
 DS_TAG = "state"  # DeepSpeed's tag inside each of our checkpoint directories
@@ -63,7 +65,8 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def deepspeed_config(parallel: ParallelConfig, optim: OptimConfig, train: TrainConfig) -> dict[str, Any]:
-    """The DeepSpeed JSON for these slices; `parallel.deepspeed` keys are merged on top."""
+    """The DeepSpeed JSON for these slices (the optimiser is passed separately); `parallel.deepspeed` keys are
+    merged on top."""
     config: dict[str, Any] = {
         "train_batch_size": train.global_batch(parallel.world_size),
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
@@ -75,16 +78,6 @@ def deepspeed_config(parallel: ParallelConfig, optim: OptimConfig, train: TrainC
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
     }
-    if optim.name == "muon":
-        config["optimizer"] = {
-            "type": "Muon",
-            "params": {
-                "lr": optim.lr,
-                "betas": list(optim.betas),
-                "eps": optim.eps,
-                "weight_decay": optim.weight_decay,
-            },
-        }
     return deep_merge(config, parallel.deepspeed)
 
 
@@ -161,8 +154,58 @@ def checkpoint_activations(model: Transformer) -> None:
         block.forward = lambda *args, _forward=forward: checkpoint(_forward, *args, use_reentrant=False)
 
 
-def build_engine(model: Transformer, optim: OptimConfig, parallel: ParallelConfig, train: TrainConfig) -> Any:
-    """deepspeed.initialize with our parameter groups; AdamW is torch's, Muon is DeepSpeed's."""
+class DeepSpeedEngine:
+    """The loop's `Engine` over a DeepSpeed engine (DeepSpeed counts micro-batches in its own `step()` calls)."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+        self.module: nn.Module = ds.module
+        self.accumulation_steps: int = ds.gradient_accumulation_steps()
+        self.device = next(ds.module.parameters()).device
+        self._micro = 0
+        # DeepSpeed reports no gradient norm for plain fp32 without ZeRO; there p.grad holds the full gradient.
+        self._plain_grads = ds.zero_optimization_stage() == 0 and not (ds.bfloat16_enabled() or ds.fp16_enabled())
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        return self.ds(batch.inputs.to(self.device), targets=batch.targets.to(self.device))
+
+    def backward(self, loss: Tensor) -> None:
+        self.ds.backward(loss)
+        self._micro += 1
+        if self._micro < self.accumulation_steps:
+            self.ds.step()  # not a boundary: DeepSpeed only advances its micro-step counter
+
+    def step(self, lr: float) -> float:
+        for group in self.ds.optimizer.param_groups:
+            group["lr"] = lr
+        local = _grad_norm(self.module) if self._plain_grads else float("nan")
+        self.ds.step()
+        self._micro = 0
+        reported = self.ds.get_global_grad_norm()
+        return float(reported) if reported is not None else local
+
+    def train(self, mode: bool = True) -> None:
+        self.ds.train(mode)
+
+    def save(self, directory: Path) -> None:
+        """All ranks: module, optimizer and step counters (without DeepSpeed's `latest` pointer)."""
+        self.ds.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        path, _ = self.ds.load_checkpoint(str(directory), tag=DS_TAG, load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"{directory}: DeepSpeed found no checkpoint to load")
+
+
+def _grad_norm(module: nn.Module) -> float:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
+
+
+def build_engine(
+    model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, train: TrainConfig
+) -> DeepSpeedEngine:
+    """deepspeed.initialize over our parameter groups and the optimiser `training/optim.py` builds."""
     import deepspeed
 
     if parallel.ep_size > 1:
@@ -175,23 +218,13 @@ def build_engine(model: Transformer, optim: OptimConfig, parallel: ParallelConfi
 
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     config = deepspeed_config(parallel, optim, train)
-    if optim.name == "muon":
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    optimizer = build_optimizer(groups, optim)
+    if isinstance(optimizer, BuiltByDeepSpeed):
+        config["optimizer"] = optimizer.config
+        ds, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=False)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    return engine
-
-
-def save_engine(engine: Any, directory: Path) -> None:
-    """All ranks: module, optimizer and step counters through DeepSpeed (without its `latest` pointer)."""
-    engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
-
-
-def load_engine(engine: Any, directory: Path) -> None:
-    path, _ = engine.load_checkpoint(str(directory), tag=DS_TAG, load_lr_scheduler_states=False)
-    if path is None:
-        raise FileNotFoundError(f"{directory}: DeepSpeed found no checkpoint to load")
+        ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return DeepSpeedEngine(ds)
 
 
 def fp32_state_dict(checkpoint: Path, tie_embeddings: bool) -> dict[str, Tensor]:

@@ -9,6 +9,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("flows", "training", "data_pipeline", "evaluation", "infra")
+# Lower layers never import higher ones: infra < data_pipeline < training < evaluation < flows.
+LAYERS = {"infra": 0, "data_pipeline": 1, "training": 2, "evaluation": 3, "flows": 4}
+LIBRARIES = ("infra", "data_pipeline", "training", "evaluation")
 MODEL_CODE = ("training/model.py", "training/moe.py", "training/sampling.py", "training/accounting.py")
 # Only these modules may import the library on the left (paths relative to the repository root).
 OWNERS = {
@@ -66,3 +69,35 @@ def test_model_code_is_device_and_distribution_free(module: str) -> None:
     assert not owned_elsewhere, (
         f"{module} uses {owned_elsewhere}: model code must not own device or precision"
     )
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_module_imports_a_higher_layer(package: str) -> None:
+    """Every import, at the top of a module or inside a function body, stays at its own layer or below."""
+    offenders = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for name in imports_of(path):
+            top = name.split(".")[0]
+            if top in LAYERS and LAYERS[top] > LAYERS[package]:
+                offenders.append(f"{path.relative_to(ROOT).as_posix()} imports {name}")
+    assert not offenders, "\n".join(sorted(set(offenders)))
+
+
+@pytest.mark.parametrize("package", LIBRARIES)
+def test_libraries_take_stage_specs_not_the_recipe(package: str) -> None:
+    """The Recipe lives at the edge (flows/): library functions receive their own spec or slices."""
+    offenders = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if any(a.arg == "recipe" for a in args):
+                    offenders.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno} {node.name}")
+    assert not offenders, offenders
+
+
+def test_the_layer_rule_catches_an_upward_import(tmp_path: Path) -> None:
+    """The checker itself: an import inside a function body is seen."""
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from flows.recipe import Recipe\n    return Recipe\n")
+    assert "flows.recipe" in imports_of(module)

@@ -1,0 +1,263 @@
+"""The DAG, wired once: each stage as a plain function of the recipe, and the compositions that chain them.
+
+The Prefect flows (`flows/pipeline.py`) and the CLI commands (`flows/cli*.py`) are two faces of these functions:
+they differ only in the `Runner` that calls each stage (a Prefect task with retries, or a direct call with a
+progress bar) and in how headline numbers are published. Every stage is a cached step, so any composition
+skips what has finished and resumes what was interrupted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypeVar
+
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict
+
+from data_pipeline.sft import SFTManifest
+from data_pipeline.shards import DatasetManifest
+from evaluation.report import EvalReport
+from evaluation.scaling_report import ScalingFit
+from flows.recipe import ConfigError, Recipe
+from training.stage import TrainedModel
+from training.sweep import SweepResult
+
+T = TypeVar("T")
+StepProgress = Callable[[int, float, float], None]  # (step, loss, tokens/s)
+TrialProgress = Callable[[int, int, dict[str, Any]], None]  # (finished, total, row)
+
+
+class Runner(Protocol):
+    """How each stage is called and how its headline numbers are shown."""
+
+    def __call__(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T: ...
+
+    def steps(self, name: str, total: int) -> StepProgress | None: ...
+
+    def trials(self, name: str) -> TrialProgress | None: ...
+
+    def publish(self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None) -> None: ...
+
+
+class Direct:
+    """Call each stage in this process; progress and headlines are printed at every tenth of a run."""
+
+    def __call__(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return fn(*args, **kwargs)
+
+    def steps(self, name: str, total: int) -> StepProgress | None:
+        return every_tenth(total, name)
+
+    def trials(self, name: str) -> TrialProgress | None:
+        return print_trial
+
+    def publish(self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None) -> None:
+        pass
+
+
+def every_tenth(total: int, name: str) -> StepProgress:
+    """A training progress callback that prints at every tenth of the run."""
+    mark = max(1, total // 10)
+
+    def report(step: int, loss: float, tokens_per_s: float) -> None:
+        if step % mark == 0 or step == total:
+            print(f"{name} step {step}/{total}: loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s")
+
+    return report
+
+
+def print_trial(done: int, total: int, row: dict[str, Any]) -> None:
+    loss = f", val loss {row['loss']:.4f}" if row.get("loss") is not None else ""
+    print(f"sweep trial {done}/{total}: depth {row.get('depth')} C={row.get('budget', 0):.3g} {row.get('status')}{loss}")
+
+
+# ---- the stages: recipe in, artifact out ----------------------------------------------------------------
+
+
+def tokens(recipe: Recipe) -> DatasetManifest:
+    from data_pipeline.tokenize import run_tokenize
+
+    return run_tokenize(recipe.data, recipe.output_dir)
+
+
+def sweep(recipe: Recipe, data: DatasetManifest, progress: TrialProgress | None = None) -> SweepResult:
+    from training.sweep import run_sweep
+
+    return run_sweep(recipe.sweep_spec(), data, progress=progress)
+
+
+def fit(recipe: Recipe, swept: SweepResult) -> ScalingFit:
+    from flows.scaling import fit_sweep
+
+    return fit_sweep(recipe, swept)
+
+
+def pretrain(recipe: Recipe, data: DatasetManifest, progress: StepProgress | None = None) -> TrainedModel:
+    from training.pretrain import run_pretrain
+
+    return run_pretrain(recipe.pretrain_spec(), data, progress=progress)
+
+
+def sft_examples(recipe: Recipe, tokenizer_dir: str | Path) -> SFTManifest:
+    """SFT examples encoded with the given tokenizer at the fine-tuning sequence length (what SFT accepts)."""
+    from data_pipeline.sft import run_sft_data
+    from data_pipeline.tokenizer import describe
+
+    return run_sft_data(
+        recipe.data.sft, describe(Path(tokenizer_dir)), recipe.finetune.train.seq_len, recipe.output_dir
+    )
+
+
+def sft_data(recipe: Recipe, base: TrainedModel) -> SFTManifest:
+    if not Path(base.hf_export).is_dir():
+        raise ConfigError(
+            f"{base.path} has no Hugging Face export (and so no tokenizer files) to fine-tune from; rerun its "
+            "pretraining to export it"
+        )
+    return sft_examples(recipe, base.hf_export)
+
+
+def finetune(
+    recipe: Recipe, base: TrainedModel, data: SFTManifest, progress: StepProgress | None = None
+) -> TrainedModel:
+    from training.finetune import run_sft
+
+    return run_sft(recipe.sft_spec(), base, data, progress=progress)
+
+
+def evaluate(
+    recipe: Recipe, models: list[TrainedModel], sft_heldout: str | None = None, names: list[str] | None = None
+) -> EvalReport:
+    from evaluation.report import run_eval
+
+    return run_eval(recipe.eval_spec(), models, names, sft_heldout=sft_heldout)
+
+
+def register(recipe: Recipe, ref: TrainedModel, report: EvalReport, base_name: str | None) -> Any:
+    from flows.registration import register_final
+
+    return register_final(recipe, ref, report, base_name)
+
+
+# ---- compositions -------------------------------------------------------------------------------------
+
+
+def load_model(run_dir: str | Path) -> TrainedModel:
+    """A finished training run by directory; one line naming the fix when it has not finished."""
+    try:
+        return TrainedModel.load(run_dir)
+    except FileNotFoundError as error:
+        raise ConfigError(str(error)) from None
+
+
+def pretrained(recipe: Recipe, run: Runner) -> TrainedModel:
+    data = run("tokenize", tokens, recipe)
+    return run("pretrain", pretrain, recipe, data, progress=run.steps("pretrain", recipe.train.max_steps))
+
+
+def finetuned(recipe: Recipe, run: Runner, base: TrainedModel | None = None) -> tuple[TrainedModel, SFTManifest]:
+    base = base or pretrained(recipe, run)
+    examples = run("sft_data", sft_data, recipe, base)
+    progress = run.steps("finetune", recipe.finetune.train.max_steps)
+    return run("finetune", finetune, recipe, base, examples, progress=progress), examples
+
+
+def swept(recipe: Recipe, run: Runner) -> SweepResult:
+    data = run("tokenize", tokens, recipe)
+    return run("sweep", sweep, recipe, data, progress=run.trials("sweep"))
+
+
+class PipelineOptions(BaseModel):
+    """What the pipeline does beyond the recipe (the Prefect form and `lmforge pipeline` flags)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    size: Literal["fit", "recipe"] = "fit"
+    budget: float | None = None
+    finetune: bool = True
+    register_model: bool = True
+
+
+def timed(times: dict[str, float], name: str, run: Runner, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    t0 = time.perf_counter()
+    result = run(name, fn, *args, **kw)
+    times[name] = time.perf_counter() - t0
+    return result
+
+
+def pipeline(
+    recipe: Recipe,
+    options: PipelineOptions,
+    run: Runner,
+    on_data: Callable[[DatasetManifest], None] | None = None,
+) -> dict[str, Any]:
+    """Raw text to an evaluated, registered model; returns the summary (stage times, law, eval, registry).
+    `on_data` sees the token shards as soon as they exist (the pipeline flow logs them as an MLflow input)."""
+    from flows.scaling import size_for_budget, target_budget
+
+    times: dict[str, float] = {}
+    summary: dict[str, Any] = {}
+    data = timed(times, "tokenize", run, tokens, recipe)
+    if on_data is not None:
+        on_data(data)
+    train_split, val_split = data.splits["train"], data.splits["val"]
+    run.publish(
+        "tokenize",
+        recipe,
+        {"tokens (train)": train_split.n_tokens, "tokens (val)": val_split.n_tokens, "directory": data.path},
+    )
+    final = recipe
+    if options.size == "fit":
+        result = timed(times, "sweep", run, sweep, recipe, data, progress=run.trials("sweep"))
+        run.publish(
+            "sweep",
+            recipe,
+            {"trials": result.n_trials, "completed": result.n_completed, "results": result.results},
+            result.mlflow_run_id,
+        )
+        law = timed(times, "fit", run, fit, recipe, result)
+        budget = options.budget or target_budget(recipe)
+        sizes = [row["N"] for row in pq.read_table(result.results, columns=["N"]).to_pylist()]
+        final, note = size_for_budget(
+            recipe, float(law.to_law().optimal_n(budget)), budget, (min(sizes), max(sizes))
+        )
+        final = final.override({"name": f"{recipe.name}-optimal"})
+        summary |= {"law": law.law, "intervals": law.intervals, "chosen": note}
+        numbers = {**{k: round(v, 4) for k, v in law.law.items()}, "chosen size": note}
+        run.publish("fit", recipe, numbers, result.mlflow_run_id)
+    progress = run.steps("pretrain", final.train.max_steps)
+    base = timed(times, "pretrain", run, pretrain, final, data, progress=progress)
+    numbers = {"val loss": base.final_val_loss, "steps": base.step, "export verified": base.export_valid}
+    run.publish("pretrain", recipe, numbers, base.mlflow_run_id)
+    models, heldout = [base], None
+    if options.finetune:
+        examples = timed(times, "sft_data", run, sft_data, final, base)
+        progress = run.steps("finetune", final.finetune.train.max_steps)
+        tuned = timed(times, "finetune", run, finetune, final, base, examples, progress=progress)
+        run.publish("finetune", recipe, tuned.summary, tuned.mlflow_run_id)
+        models.append(tuned)
+        heldout = str(Path(examples.path) / "heldout.jsonl")
+    report = timed(times, "evaluate", run, evaluate, final, models, heldout)
+    run.publish("evaluate", recipe, eval_headline(report), report.mlflow_run_id)
+    summary |= {"eval": eval_headline(report), "report": str(Path(report.path) / "report.md")}
+    if options.register_model:
+        base_name = list(report.models)[0] if len(models) > 1 else None
+        version = timed(times, "register", run, register, final, models[-1], report, base_name)
+        summary["registered"] = version.model_dump()
+        numbers = {"model": version.name, "version": version.version, "alias": version.alias, **version.gates}
+        run.publish("register", recipe, numbers)
+    summary["stage_seconds"] = times
+    return summary
+
+
+def eval_headline(report: EvalReport) -> dict[str, Any]:
+    keep = (
+        "heldout/all/bits_per_byte",
+        "heldout/all/loss",
+        "stdlib-import-mc/acc",
+        "sft-heldout-em/exact_match",
+        "sft-heldout-em/response_loss",
+    )
+    return {m: report.metrics[m] for m in keep if m in report.metrics}

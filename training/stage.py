@@ -1,0 +1,225 @@
+"""One lifecycle for every training stage (pretraining, SFT, and the objectives that follow).
+
+`run_training_stage(stage, spec, inputs)` owns what they share: the cached step (directory named by the spec's
+key and the inputs' digests; a finished run is returned as is), resume from the newest complete checkpoint into
+the same MLflow run, the run finished FAILED on any error, the launch (one worker in-process, N on Ray Train),
+worker setup (threads, process group, seed, engine, loop) and the manifest. A stage supplies only what differs,
+as a `TrainingStage`: its model, its loaders and its finalize step (export, verification, summary).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from data_pipeline.loader import SampledLoader
+from infra.steps import Artifact, Step, run_step
+from infra.storage import atomic_write_json
+from infra.tracking import TrackedRun, Tracker, tracked_run
+from training import checkpoint as ckpt
+from training.accounting import flops_per_token
+from training.config import TrainConfig, TrainingSpec
+from training.launch import run_stage_workers
+from training.loop import Batches, LoopSetup, resume, train_loop
+from training.model import ModelConfig
+from training.perf import measure_matmul_peak, published_peak
+
+log = logging.getLogger(__name__)
+Progress = Callable[[int, float, float], None]  # (step, loss, tokens/s), rank 0
+
+
+class TrainedModel(Artifact):
+    """A finished training run: final checkpoint, verified Hugging Face export, headline numbers. `path` is the run
+    directory; `kind` says what the model is."""
+
+    kind: Literal["pretrain", "sft-full", "lora"]
+    checkpoint: str
+    hf_export: str
+    export_valid: bool
+    max_abs_logit_diff: float | None
+    step: int
+    final_val_loss: float | None
+    tokenizer_digest: str
+    mlflow_run_id: str | None
+    model: dict[str, Any]
+    adapter: str | None = None  # LoRA: the PEFT adapter directory (loads on the base's export)
+    base_run_dir: str | None = None  # fine-tuning: the run it started from
+    summary: dict[str, float] = {}  # stage-specific headline numbers (e.g. held-out loss before and after)
+
+    @property
+    def run_dir(self) -> str:
+        return self.path
+
+
+@dataclass(frozen=True)
+class TrainingJob:
+    """What each worker receives: the stage definition, its spec, upstream artifacts, where and under which run."""
+
+    stage: TrainingStage
+    spec: TrainingSpec
+    inputs: Mapping[str, Artifact]
+    run_dir: Path
+    run: TrackedRun
+    key: str  # the step's key digest, recorded in every checkpoint
+
+
+class TrainingStage(ABC):
+    """A training objective over the one lifecycle. Instances are stateless and importable (workers get them)."""
+
+    name: ClassVar[str]  # output directory under <output_dir>/ and the MLflow run-name prefix
+    version: ClassVar[int]  # bump when the same spec and inputs would train different weights
+
+    def check(self, spec: TrainingSpec, inputs: Mapping[str, Artifact]) -> None:  # noqa: B027 - optional hook
+        """Refuse bad input (one line naming the problem and the fix) before anything starts."""
+
+    def run_name(self, spec: TrainingSpec) -> str:
+        return spec.name
+
+    def tags(self, spec: TrainingSpec, inputs: Mapping[str, Artifact]) -> dict[str, str]:
+        return {}
+
+    def log_inputs(self, inputs: Mapping[str, Artifact], tracker: Tracker) -> None:  # noqa: B027 - optional hook
+        """Attach the inputs' manifests to the run (once, when the run is created)."""
+
+    @abstractmethod
+    def model_config(self, job: TrainingJob) -> ModelConfig: ...
+
+    @abstractmethod
+    def build_model(self, job: TrainingJob) -> nn.Module:
+        """The module to train, on the CPU in fp32 (the engine moves and casts it)."""
+
+    @abstractmethod
+    def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
+        """This rank's training batches and (optionally) the validation loader."""
+
+    @abstractmethod
+    def finalize(self, job: TrainingJob, final: Path, tracker: Tracker) -> TrainedModel:
+        """Export and verify the final checkpoint, measure the summary; the manifest is written by the runner."""
+
+
+def training_step(
+    stage: TrainingStage, spec: TrainingSpec, inputs: Mapping[str, Artifact]
+) -> Step[TrainedModel]:
+    """The cached step of a training run (ask it `finished(root)` to know whether the run is done)."""
+    return Step(stage.name, stage.run_name(spec), stage.version, spec.key(), TrainedModel, dict(inputs))
+
+
+def run_training_stage(
+    stage: TrainingStage,
+    spec: TrainingSpec,
+    inputs: Mapping[str, Artifact],
+    progress: Progress | None = None,
+) -> TrainedModel:
+    """Train (or resume, or return) `stage` on `inputs` with `spec`."""
+    stage.check(spec, inputs)
+    step = training_step(stage, spec, inputs)
+    return run_step(
+        spec.output_dir, step, lambda run_dir, key: _train(stage, spec, inputs, run_dir, key, progress)
+    )
+
+
+def _train(
+    stage: TrainingStage,
+    spec: TrainingSpec,
+    inputs: Mapping[str, Artifact],
+    run_dir: Path,
+    key: str,
+    progress: Progress | None,
+) -> TrainedModel:
+    latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
+    previous = ckpt.read_meta(latest).get("mlflow_run_id") if latest else None
+    tags = {
+        "lmforge.stage": stage.name,
+        "lmforge.config_digest": key,
+        "lmforge.git": git_revision(),
+        "lmforge.run_dir": str(run_dir.resolve()),
+        **stage.tags(spec, inputs),
+    }
+    name = f"{stage.name}-{stage.run_name(spec)}"
+    with tracked_run(spec.tracking, spec.output_dir, name, tags, previous) as run:
+        tracker = run.tracker()
+        if previous is None:
+            tracker.log_params(spec.model_dump(mode="json", exclude={"tracking", "output_dir"}))
+            atomic_write_json(run_dir / "spec.json", spec.model_dump(mode="json"))
+            tracker.log_artifact(run_dir / "spec.json")
+            stage.log_inputs(inputs, tracker)
+        job = TrainingJob(stage, spec, dict(inputs), run_dir.resolve(), run, key)
+        run_stage_workers(train_worker, job, spec.parallel, run_dir, stage.name, progress)
+        final = ckpt.latest_checkpoint(run_dir / "checkpoints")
+        if final is None:
+            raise RuntimeError(f"{run_dir}: training ended without a complete checkpoint")
+        return stage.finalize(job, final, tracker)
+
+
+def train_worker(config: dict[str, Any], progress: Progress | None = None) -> None:
+    """One training process (in-process, or a Ray Train worker): engine, this rank's loaders, resume, loop."""
+    from training.parallel import build_engine, init_distributed
+
+    job: TrainingJob = config["job"]
+    spec, train = job.spec, job.spec.train
+    torch.set_num_threads(
+        spec.parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // spec.parallel.world_size)
+    )
+    init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(train.seed)
+    model = job.stage.build_model(job)
+    engine = build_engine(model, spec.optim, spec.parallel, train)
+    loader, val_loader = job.stage.loaders(job, rank, world)
+    cfg = job.stage.model_config(job)
+    setup = LoopSetup(
+        run_dir=job.run_dir,
+        rank=rank,
+        world_size=world,
+        flops_per_token=flops_per_token(cfg, train.seq_len).training,
+        peak_flops=peak_flops_for(spec.parallel.precision, train, cfg, rank, engine.device),
+        meta={"mlflow_run_id": job.run.run_id, "config_digest": job.key},
+        progress=progress,
+    )
+    state = resume(engine, loader, setup)
+    val = (lambda: val_loader.epoch_batches(train.eval_batches)) if val_loader is not None else None
+    train_loop(engine, loader, val, train, spec.optim, setup, job.run.tracker(rank), state)
+
+
+def peak_flops_for(
+    precision: str, train: TrainConfig, cfg: ModelConfig, rank: int, device: torch.device
+) -> float:
+    """Per-device peak for MFU: configured, else the published GPU peak, else a GEMM measured at the model's
+    shapes in the training dtype (rank 0 only: it alone logs MFU)."""
+    peak = train.peak_flops or published_peak(device)
+    if peak is not None:
+        return peak
+    if rank != 0:
+        return 1.0
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    return measure_matmul_peak(dtype, device, train.micro_batch_size * train.seq_len, cfg.d_model, cfg.d_ff)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
+    """Every record of the run's metrics.jsonl, in logging order (a resumed run re-logs the steps it redoes)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def val_losses(run_dir: str | Path) -> list[float]:
+    return [m["val/loss"] for m in read_metrics(run_dir) if "val/loss" in m]
+
+
+def git_revision() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
