@@ -46,24 +46,31 @@ def _drain_prefect_logs() -> None:
         pass
 
 
+def pipeline_params(args: argparse.Namespace) -> Any:
+    """The pipeline flow's parameters from `lmforge pipeline` flags (validated: the recipe loads)."""
+    from flows.pipeline import PipelineParams
+
+    return PipelineParams(
+        recipe=args.recipe,
+        overrides=args.set,
+        size=args.size,
+        budget=args.budget,
+        finetune=not args.no_finetune,
+        register_model=not args.no_register,
+    )
+
+
 def cmd_pipeline(args: argparse.Namespace) -> int:
     from flows.recipe import load_recipe
     from infra.tracking import tracking_uri
 
     recipe = load_recipe(args.recipe, args.set)  # refuse bad input before starting anything
-    params = {
-        "recipe": args.recipe,
-        "overrides": args.set,
-        "size": args.size,
-        "budget": args.budget,
-        "finetune": not args.no_finetune,
-        "register_model": not args.no_register,
-    }
+    params = pipeline_params(args)
     state = Path(recipe.output_dir) / "services"
     with prefect_api(state):
-        from flows.pipeline import PipelineParams, pipeline
+        from flows.pipeline import pipeline
 
-        summary = pipeline(PipelineParams(**params))
+        summary = pipeline(params)
     print_summary(summary)
     uri = tracking_uri(recipe.tracking, recipe.output_dir)
     print("\nReview the results:")

@@ -10,6 +10,7 @@ directory without a manifest is unfinished: `build` is called on it again and ma
 from __future__ import annotations
 
 import fcntl
+import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -74,14 +75,14 @@ class Step(Generic[A]):
 
 @contextmanager
 def _locked(directory: Path) -> Iterator[None]:
-    """An exclusive lock on `<directory>.lock` for the duration of the build."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.with_name(directory.name + ".lock"), "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    """An exclusive lock on the (created) directory itself for the duration of the build."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def run_step(root: str | Path, step: Step[A], build: Callable[[Path, str], A]) -> A:
@@ -94,7 +95,6 @@ def run_step(root: str | Path, step: Step[A], build: Callable[[Path, str], A]) -
         done = step.finished(root)  # another process may have finished it while we waited
         if done is not None:
             return done
-        out.mkdir(parents=True, exist_ok=True)
         key = step.digest()
         artifact = build(out, key).model_copy(update={"path": str(out.resolve()), "key": key})
         atomic_write_json(out / MANIFEST, artifact.model_dump(mode="json"))

@@ -52,3 +52,27 @@ def shared_file(relative: str) -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+@pytest.fixture(scope="session")
+def smoke_base(tmp_path_factory):
+    """(recipe, pretrained model) of the smoke recipe, 1 worker, fp32, ZeRO-0, 20 steps: trained once per session."""
+    from data_pipeline.tokenize import run_tokenize
+    from flows.recipe import load_recipe
+    from tests.pretrain_helpers import SMOKE_SETTINGS, smoke_overrides
+    from training.pretrain import run_pretrain
+
+    out = tmp_path_factory.mktemp("smoke")
+    recipe = load_recipe("smoke", smoke_overrides(out, *SMOKE_SETTINGS))
+    return recipe, run_pretrain(recipe.pretrain_spec(), run_tokenize(recipe.data, recipe.output_dir))
+
+
+@pytest.fixture(scope="session")
+def smoke_lora(smoke_base):
+    """(SFT examples, LoRA fine-tune) of the session's smoke model."""
+    from flows.stages import sft_data
+    from training.finetune import run_sft
+
+    recipe, base = smoke_base
+    examples = sft_data(recipe, base)
+    return examples, run_sft(recipe.sft_spec(), base, examples)

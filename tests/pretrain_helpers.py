@@ -60,3 +60,15 @@ def losses(run_dir: Path) -> dict[int, float]:
         if "train/loss" in record:
             result[record["step"]] = record["train/loss"]
     return result
+
+
+# Fine-tuning and evaluation settings shared by the smoke runs of several test modules; none of them changes
+# the pretraining run's key, so one pretrained smoke model serves the pretraining, SFT and evaluation tests.
+SMOKE_SETTINGS = [
+    "data.sft.max_examples=300",
+    "finetune.train.max_steps=24",
+    "finetune.train.eval_every=24",
+    "finetune.optim.lr=1e-2",
+    "eval.max_documents=20",
+    "eval.builtin_questions=20",
+]

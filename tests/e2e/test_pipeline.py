@@ -261,3 +261,7 @@ def test_killed_pipeline_resumes_and_matches_an_uninterrupted_run(services, tmp_
     ma.pop("eval/tokens_per_s")
     mb.pop("eval/tokens_per_s")
     assert ma == mb
+    # --no-register had its effect: nothing in the registry, no registration in the summary
+    client = mlflow.MlflowClient(f"sqlite:///{straight / 'mlflow.db'}")
+    assert client.search_registered_models() == []
+    assert "Registered:" not in once.stdout and "Stage times:" in once.stdout

@@ -10,44 +10,23 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from data_pipeline.sft import run_sft_data
-from data_pipeline.tokenize import run_tokenize
-from data_pipeline.tokenizer import describe
 from evaluation.gates import gate_results
 from evaluation.lm_eval_adapter import run_lm_eval
 from evaluation.model_io import load_for_eval
 from evaluation.report import EvalReport, run_eval
 from evaluation.scoring import generate_text
 from evaluation.tasks import load_task, run_task
-from flows.recipe import load_recipe
 from infra.registry import register
 from infra.tracking import tracking_uri
-from tests.pretrain_helpers import smoke_overrides
-from training.finetune import run_sft
-from training.pretrain import run_pretrain
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-SETTINGS = [
-    "data.sft.max_examples=300",
-    "finetune.train.max_steps=24",
-    "finetune.train.eval_every=24",
-    "finetune.optim.lr=1e-2",
-    "eval.max_documents=20",
-    "eval.builtin_questions=20",
-]
-
-
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval")
-    recipe = load_recipe("smoke", smoke_overrides(out, *SETTINGS))
-    base = run_pretrain(recipe, run_tokenize(recipe.data, recipe.output_dir))
-    sft_data = run_sft_data(
-        recipe.data.sft, describe(Path(base.hf_export)), recipe.finetune.train.seq_len, out
-    )
-    lora = run_sft(recipe, base, sft_data)
-    heldout = Path(sft_data.path) / "heldout.jsonl"
-    report = run_eval(recipe, [base, lora], sft_heldout=heldout)
+def trained(smoke_base, smoke_lora):
+    """The session's smoke model and its LoRA fine-tune, evaluated side by side."""
+    recipe, base = smoke_base
+    examples, lora = smoke_lora
+    heldout = Path(examples.path) / "heldout.jsonl"
+    report = run_eval(recipe.eval_spec(), [base, lora], sft_heldout=heldout)
     return recipe, base, lora, heldout, report
 
 
@@ -73,7 +52,7 @@ def test_report_compares_models_side_by_side(trained):
     for name in ("metrics.png", "effective_rank.png", "lora_spectra.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert EvalReport.load(out) == report
-    assert run_eval(recipe, [base, lora], sft_heldout=trained[3]) == report  # cached
+    assert run_eval(recipe.eval_spec(), [base, lora], sft_heldout=trained[3]) == report  # cached
 
 
 def test_eval_run_is_in_mlflow(trained):

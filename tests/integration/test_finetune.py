@@ -14,51 +14,43 @@ from data_pipeline.sources import DataError
 from data_pipeline.tokenize import run_tokenize
 from data_pipeline.tokenizer import describe
 from flows.recipe import load_recipe
-from tests.pretrain_helpers import cli, smoke_overrides
+from flows.stages import sft_data
+from tests.pretrain_helpers import SMOKE_SETTINGS, cli, smoke_overrides
 from training.finetune import build_model, run_sft
-from training.pretrain import CheckpointRef, run_pretrain
+from training.stage import TrainedModel
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-SFT = [
-    "data.sft.max_examples=300",
-    "finetune.train.max_steps=24",
-    "finetune.train.eval_every=24",
-    "finetune.optim.lr=1e-2",
-]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[CheckpointRef, Path]:
-    out = tmp_path_factory.mktemp("ft")
-    recipe = load_recipe("smoke", smoke_overrides(out, *SFT))
-    return run_pretrain(recipe, run_tokenize(recipe.data, recipe.output_dir)), out
+def base(smoke_base) -> tuple[TrainedModel, Path]:
+    recipe, ref = smoke_base
+    return ref, Path(recipe.output_dir)
 
 
-def finetune(out: Path, base: CheckpointRef, *extra: str) -> CheckpointRef:
-    recipe = load_recipe("smoke", smoke_overrides(out, *SFT, *extra))
-    data = run_sft_data(recipe.data.sft, describe(Path(base.hf_export)), recipe.finetune.train.seq_len, out)
-    return run_sft(recipe, base, data)
+def finetune(out: Path, base: TrainedModel, *extra: str) -> TrainedModel:
+    recipe = load_recipe("smoke", smoke_overrides(out, *SMOKE_SETTINGS, *extra))
+    return run_sft(recipe.sft_spec(), base, sft_data(recipe, base))
 
 
 @pytest.fixture(scope="module")
-def lora_run(base: tuple[CheckpointRef, Path]) -> CheckpointRef:
-    ref, out = base
-    return finetune(out, ref)
+def lora_run(smoke_lora) -> TrainedModel:
+    return smoke_lora[1]
 
 
-def test_lora_improves_heldout_loss_and_logs(lora_run: CheckpointRef) -> None:
+def test_lora_improves_heldout_loss_and_logs(lora_run: TrainedModel) -> None:
     summary = lora_run.summary
     assert summary["sft/heldout_loss_after"] < summary["sft/heldout_loss_before"] - 0.05
     assert 0.0 <= summary["sft/exact_match_after"] <= 1.0
     assert 0.0 < summary["sft/trainable_fraction"] < 0.2
-    lora = build_model(CheckpointRef.load(lora_run.base_run_dir), load_recipe("smoke").finetune)
+    lora = build_model(TrainedModel.load(lora_run.base_run_dir), load_recipe("smoke").sft_spec())
     assert summary["sft/trainable_params"] == sum(
         p.numel() for n, p in lora.named_parameters() if "lora_" in n
     )
 
 
 def test_adapter_loads_with_peft_on_the_hf_export(
-    base: tuple[CheckpointRef, Path], lora_run: CheckpointRef
+    base: tuple[TrainedModel, Path], lora_run: TrainedModel
 ) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -66,8 +58,8 @@ def test_adapter_loads_with_peft_on_the_hf_export(
     from training.parallel import fp32_state_dict
 
     ref, out = base
-    recipe = load_recipe("smoke", smoke_overrides(out, *SFT))
-    ours = build_model(ref, recipe.finetune)
+    recipe = load_recipe("smoke", smoke_overrides(out, *SMOKE_SETTINGS))
+    ours = build_model(ref, recipe.sft_spec())
     ours.load_state_dict(fp32_state_dict(Path(lora_run.checkpoint), False), strict=True)
     hf_base = AutoModelForCausalLM.from_pretrained(ref.hf_export, dtype=torch.float32)
     theirs = PeftModel.from_pretrained(hf_base, lora_run.adapter)
@@ -85,7 +77,7 @@ def test_adapter_loads_with_peft_on_the_hf_export(
         torch.testing.assert_close(merged.eval()(tokens).logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_base_weights_stay_frozen(base: tuple[CheckpointRef, Path], lora_run: CheckpointRef) -> None:
+def test_base_weights_stay_frozen(base: tuple[TrainedModel, Path], lora_run: TrainedModel) -> None:
     from training.parallel import fp32_state_dict
 
     ref, _ = base
@@ -101,19 +93,19 @@ def test_base_weights_stay_frozen(base: tuple[CheckpointRef, Path], lora_run: Ch
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in after.items())
 
 
-def test_full_sft(base: tuple[CheckpointRef, Path]) -> None:
+def test_full_sft(base: tuple[TrainedModel, Path]) -> None:
     ref, out = base
     full = finetune(out, ref, "finetune.method=full", "finetune.optim.lr=1e-3")
     assert full.adapter is None and full.export_valid
     assert full.summary["sft/heldout_loss_after"] < full.summary["sft/heldout_loss_before"]
 
 
-def test_sft_data_from_another_tokenizer_is_refused(base: tuple[CheckpointRef, Path], tmp_path: Path) -> None:
+def test_sft_data_from_another_tokenizer_is_refused(base: tuple[TrainedModel, Path], tmp_path: Path) -> None:
     ref, out = base
     other_cfg = DataConfig(max_documents=20, num_workers=1, tokenizer=TokenizerConfig(vocab_size=300))
     other = run_tokenize(other_cfg, tmp_path)
     data = run_sft_data(SFTConfig(max_examples=100), describe(Path(other.tokenizer.path)), 128, tmp_path)
-    recipe = load_recipe("smoke", smoke_overrides(out, *SFT))
+    recipe = load_recipe("smoke", smoke_overrides(out, *SMOKE_SETTINGS))
     with pytest.raises(DataError) as info:
-        run_sft(recipe, ref, data)
+        run_sft(recipe.sft_spec(), ref, data)
     assert ref.tokenizer_digest[:16] in str(info.value) and data.tokenizer_digest[:16] in str(info.value)

@@ -25,30 +25,29 @@ from tests.pretrain_helpers import (
     with_sets,
 )
 from training import checkpoint as ckpt
-from training.pretrain import CheckpointRef, run_pretrain
+from training.pretrain import run_pretrain
+from training.stage import TrainedModel
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def pretrain_cli(output_dir: Path, *extra: str, workers: int | None = None) -> CheckpointRef:
+def pretrain_cli(output_dir: Path, *extra: str, workers: int | None = None) -> TrainedModel:
     args = ["pretrain", "smoke", *with_sets(smoke_overrides(output_dir, *extra))]
     if workers:
         args += ["--workers", str(workers)]
     result = cli(*args)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = next((output_dir / "pretrain").iterdir())
-    return CheckpointRef.load(run_dir)
+    return TrainedModel.load(run_dir)
 
 
 @pytest.fixture(scope="module")
-def golden_run(tmp_path_factory: pytest.TempPathFactory) -> CheckpointRef:
-    """The smoke recipe, 1 worker, fp32, ZeRO-0, 20 steps, in this process."""
-    out = tmp_path_factory.mktemp("golden")
-    recipe = load_recipe("smoke", smoke_overrides(out))
-    return run_pretrain(recipe, run_tokenize(recipe.data, recipe.output_dir))
+def golden_run(smoke_base) -> TrainedModel:
+    """The smoke recipe, 1 worker, fp32, ZeRO-0, 20 steps, in this process (shared with the SFT and eval tests)."""
+    return smoke_base[1]
 
 
-def test_golden_loss_curve(golden_run: CheckpointRef) -> None:
+def test_golden_loss_curve(golden_run: TrainedModel) -> None:
     golden = json.loads(GOLDEN.read_text())
     got = losses(Path(golden_run.run_dir))
     assert sorted(got) == list(range(1, 21))
@@ -57,7 +56,7 @@ def test_golden_loss_curve(golden_run: CheckpointRef) -> None:
     assert [got[s] for s in sorted(got)] == pytest.approx(golden["losses"], abs=1e-4)
 
 
-def test_training_learns_and_tracks_in_mlflow(golden_run: CheckpointRef) -> None:
+def test_training_learns_and_tracks_in_mlflow(golden_run: TrainedModel) -> None:
     import mlflow
 
     curve = losses(Path(golden_run.run_dir))
@@ -74,12 +73,12 @@ def test_training_learns_and_tracks_in_mlflow(golden_run: CheckpointRef) -> None
     assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "val/loss"} <= set(
         run.data.metrics
     )
-    assert run.data.tags["lmforge.config_digest"] == golden_run.config_digest
+    assert run.data.tags["lmforge.config_digest"] == golden_run.key
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"recipe.json", "data", "hf_export", "metrics.jsonl"} <= artifacts
+    assert {"spec.json", "data", "hf_export", "metrics.jsonl"} <= artifacts
 
 
-def test_hf_export_gives_our_logits(golden_run: CheckpointRef) -> None:
+def test_hf_export_gives_our_logits(golden_run: TrainedModel) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from training.model import ModelConfig, Transformer
@@ -96,15 +95,19 @@ def test_hf_export_gives_our_logits(golden_run: CheckpointRef) -> None:
         torch.testing.assert_close(ours.eval()(ids).logits, theirs.eval()(ids).logits, rtol=0, atol=1e-5)
 
 
-def test_rerun_of_a_finished_run_returns_it(golden_run: CheckpointRef) -> None:
+def test_rerun_of_a_finished_run_returns_it(golden_run: TrainedModel) -> None:
     manifest = Path(golden_run.run_dir) / "manifest.json"
     stamp = manifest.stat().st_mtime_ns
     recipe = load_recipe("smoke", smoke_overrides(Path(golden_run.run_dir).parents[1]))
-    assert run_pretrain(recipe, run_tokenize(recipe.data, recipe.output_dir)) == golden_run
+    assert run_pretrain(recipe.pretrain_spec(), run_tokenize(recipe.data, recipe.output_dir)) == golden_run
+    assert manifest.stat().st_mtime_ns == stamp
+    # settings that cannot change the weights do not re-key the run: another recipe section, threads, restarts
+    other = recipe.override("eval.max_documents=7", "parallel.threads_per_worker=1", "parallel.max_failures=3")
+    assert run_pretrain(other.pretrain_spec(), run_tokenize(other.data, other.output_dir)) == golden_run
     assert manifest.stat().st_mtime_ns == stamp
 
 
-def test_zero_stages_and_worker_counts_agree(golden_run: CheckpointRef, tmp_path: Path) -> None:
+def test_zero_stages_and_worker_counts_agree(golden_run: TrainedModel, tmp_path: Path) -> None:
     """Same global batch (8): 1 worker x 2 micro-batches vs 2 workers x 1, ZeRO-0 vs ZeRO-2, fp32."""
     zero2 = losses(Path(pretrain_cli(tmp_path / "z2", "parallel.zero_stage=2").run_dir))
     two_workers = losses(Path(pretrain_cli(tmp_path / "w2", "parallel.zero_stage=2", workers=2).run_dir))

@@ -22,14 +22,14 @@ def sweep_setup(tmp_path_factory):
     data = run_tokenize(recipe.data, recipe.output_dir)
     seen = []
     result = run_sweep(
-        recipe, data, progress=lambda done, total, row: seen.append((done, total, row["status"]))
+        recipe.sweep_spec(), data, progress=lambda done, total, row: seen.append((done, total, row["status"]))
     )
     return recipe, data, result, seen
 
 
 def test_sweep_trains_every_trial_and_writes_the_table(sweep_setup):
     recipe, _, result, seen = sweep_setup
-    plans, _ = plan_trials(recipe)
+    plans, _ = plan_trials(recipe.sweep_spec())
     rows = pq.read_table(result.results).to_pylist()
     assert len(rows) == len(plans) == result.n_trials == result.n_completed == 4
     for plan, row in zip(plans, rows, strict=True):
@@ -67,7 +67,7 @@ def test_trials_are_nested_mlflow_runs_under_the_sweep(sweep_setup):
 
 def test_rerun_skips_finished_work(sweep_setup):
     recipe, data, result, _ = sweep_setup
-    again = run_sweep(recipe, data)
+    again = run_sweep(recipe.sweep_spec(), data)
     assert again == result  # the finished sweep is returned as is
 
 
@@ -76,7 +76,7 @@ def test_rerun_after_a_lost_sweep_manifest_reuses_finished_trials(sweep_setup):
     from pathlib import Path
 
     (Path(result.sweep_dir) / "manifest.json").unlink()
-    again = run_sweep(recipe, data)
+    again = run_sweep(recipe.sweep_spec(), data)
     assert again.wall_seconds == 0.0 and again.trial_seconds == 0.0  # no trial ran
     assert (
         pq.read_table(again.results).column("loss").to_pylist()
@@ -100,7 +100,7 @@ def test_asha_stops_poor_learning_rates_early(tmp_path):
             "tracking.enabled=false",
         ),
     )
-    result = run_sweep(recipe, run_tokenize(recipe.data, recipe.output_dir))
+    result = run_sweep(recipe.sweep_spec(), run_tokenize(recipe.data, recipe.output_dir))
     rows = pq.read_table(result.results).to_pylist()
     assert result.n_stopped >= 1 and result.n_completed >= 1
     stopped = [r for r in rows if r["status"] == "stopped"]

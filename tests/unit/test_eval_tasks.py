@@ -19,20 +19,21 @@ from evaluation.spectra import effective_rank
 from evaluation.tasks import Task, load_task, run_task, stdlib_import_task
 from training.export import export_hf
 from training.model import ModelConfig, Transformer
-from training.pretrain import CheckpointRef
+from training.stage import TrainedModel
 
 CFG = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32)
 
 
 @pytest.fixture(scope="module")
-def export(tokenized, tmp_path_factory) -> tuple[Path, CheckpointRef]:
+def export(tokenized, tmp_path_factory) -> tuple[Path, TrainedModel]:
     manifest, _ = tokenized
     cfg = ModelConfig(vocab_size=manifest.tokenizer.vocab_size, **CFG)
     model = Transformer(cfg, seed=3)
     out = tmp_path_factory.mktemp("export") / "hf"
     verification = export_hf(model.state_dict(), cfg, manifest.tokenizer.path, out)
-    ref = CheckpointRef(
-        run_dir=str(out.parent),
+    ref = TrainedModel(
+        path=str(out.parent),
+        kind="pretrain",
         checkpoint="",
         hf_export=str(out),
         export_valid=verification["valid"],
@@ -41,7 +42,7 @@ def export(tokenized, tmp_path_factory) -> tuple[Path, CheckpointRef]:
         final_val_loss=None,
         tokenizer_digest=manifest.tokenizer.digest,
         mlflow_run_id=None,
-        config_digest="x",
+        key="x",
         model=cfg.model_dump(),
     )
     return out, ref

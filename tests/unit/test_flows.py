@@ -59,3 +59,17 @@ def test_bind_with_auth_configured_is_allowed():
     with pytest.raises(ServiceError):  # the default admin password is refused
         check_bind("mlflow", "0.0.0.0", env=auth)
     check_bind("mlflow", "0.0.0.0", env={**auth, "MLFLOW_AUTH_ADMIN_PASSWORD": "long-and-random"})
+
+
+def test_pipeline_flags_reach_the_flow_and_unknown_parameters_are_refused():
+    from pydantic import ValidationError
+
+    from flows.cli import build_parser
+    from flows.cli_services import pipeline_params
+
+    args = build_parser().parse_args(["pipeline", "smoke", "--no-register", "--no-finetune", "--size", "recipe"])
+    params = pipeline_params(args)
+    assert (params.register_model, params.finetune, params.size) == (False, False, "recipe")
+    assert params.options().register_model is False
+    with pytest.raises(ValidationError, match="register"):
+        PipelineParams(recipe="smoke", register=False)  # a misspelt flag is an error, not a silent default

@@ -1,0 +1,85 @@
+"""The one training loop on the plain-PyTorch engine: the step's loss is the global token mean."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from data_pipeline.loader import IGNORE_INDEX, Batch
+from infra.tracking import NullTracker
+from training.config import OptimConfig, TrainConfig
+from training.engine import PlainEngine, loss_scale
+from training.loop import LoopSetup, LoopState, train_loop
+from training.model import ModelConfig, Transformer
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=16)
+
+
+class Fixed:
+    """A loader that yields the given batches in order."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches, self.position = batches, 0
+
+    def next_batch(self) -> Batch:
+        self.position += 1
+        return self.batches[self.position - 1]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["position"]
+
+
+def sft_like_batches() -> list[Batch]:
+    """Two micro-batches with very different numbers of loss-carrying (response) tokens: 14 and 2."""
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for keep in (7, 1):
+        inputs = torch.randint(0, 64, (2, 8), generator=generator)
+        targets = torch.randint(0, 64, (2, 8), generator=generator)
+        targets[:, keep:] = IGNORE_INDEX
+        batches.append(Batch(inputs, targets))
+    return batches
+
+
+def one_sgd_step(batches: list[Batch], tmp_path: Path) -> dict[str, torch.Tensor]:
+    """Weights after one loop step with SGD at lr 1 (so the update is minus the gradient)."""
+    model = Transformer(CFG, seed=1)
+    engine = PlainEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), len(batches), grad_clip=0.0)
+    optim = OptimConfig(lr=1.0, warmup_steps=0, schedule="constant", grad_clip=0.0)
+    train = TrainConfig(seq_len=8, micro_batch_size=2, global_batch_size=2 * len(batches), max_steps=1)
+    setup = LoopSetup(run_dir=tmp_path, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
+    train_loop(engine, Fixed(batches), None, train, optim, setup, NullTracker(), LoopState())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_accumulated_step_equals_the_global_token_mean(tmp_path: Path) -> None:
+    batches = sft_like_batches()
+    stepped = one_sgd_step(batches, tmp_path)
+    reference = Transformer(CFG, seed=1)
+    before = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    inputs = torch.cat([b.inputs for b in batches])
+    targets = torch.cat([b.targets for b in batches])
+    logits = reference(inputs).logits
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX).backward()
+    grads = {n: p.grad for n, p in reference.named_parameters()}
+    for name, grad in grads.items():
+        torch.testing.assert_close(stepped[name], before[name] - grad, rtol=1e-5, atol=1e-6)
+    # a mean of the two micro-batch means would weigh the 2-token batch like the 14-token one
+    mean_of_means = Transformer(CFG, seed=1)
+    sum(
+        F.cross_entropy(mean_of_means(b.inputs).logits.flatten(0, 1), b.targets.flatten()) / 2 for b in batches
+    ).backward()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    other = dict(mean_of_means.named_parameters())[name].grad
+    assert (other - grads[name]).abs().max() > 10 * (stepped[name] - (before[name] - grads[name])).abs().max()
+
+
+def test_uniform_batches_keep_the_mean_of_means_exactly() -> None:
+    assert loss_scale(128, 128 * 4 * 2, accumulation=4, world_size=2) == 1.0
+    assert loss_scale(2, 16, accumulation=2, world_size=1) == 0.25
