@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from data_pipeline.loader import Batch
 from flows.recipe import load_recipe
 from training.lora import apply_lora, trainable_counts
 from training.model import Transformer
@@ -41,12 +42,12 @@ def measure(model: torch.nn.Module, recipe, steps: int) -> tuple[float, int, int
     times = []
     for step in range(steps):
         start = time.perf_counter()
-        engine.backward(engine(x, targets=y).loss)
-        engine.step()
+        engine.backward(engine.forward(Batch(x, y)).loss)
+        engine.step(ft.optim.lr)
         if step >= 3:
             times.append(time.perf_counter() - start)
     trainable, _ = trainable_counts(model)
-    return statistics.median(times), optimizer_state_bytes(engine.optimizer), trainable
+    return statistics.median(times), optimizer_state_bytes(engine.ds.optimizer), trainable
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ def main() -> None:
         t0 = time.perf_counter()
         ensure_ray(1)
         ray_start = time.perf_counter() - t0
-        result = run_sweep(recipe, data)
+        result = run_sweep(recipe.sweep_spec(), data)
     print(
         json.dumps(
             {

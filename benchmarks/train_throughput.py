@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.loader import Batch
 from flows.recipe import load_recipe
 from training.accounting import flops_per_token
 from training.model import ModelConfig, Transformer
@@ -76,8 +77,8 @@ def engine_step_time(cfg: ModelConfig, steps: int, device: torch.device, precisi
     engine = build_engine(Transformer(cfg, seed=0).to(device), recipe.optim, recipe.parallel, recipe.train)
 
     def step(x, y):
-        engine.backward(engine(x, targets=y).loss)
-        engine.step()
+        engine.backward(engine.forward(Batch(x, y)).loss)
+        engine.step(recipe.optim.lr)
 
     return time_steps(step, batches(cfg, steps, device))
 

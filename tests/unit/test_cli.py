@@ -95,3 +95,28 @@ def test_inspect_of_a_partial_dataset_says_so(capsys: pytest.CaptureFixture[str]
     (tmp_path / "train-00000.arrow").write_bytes(b"")
     assert main(["data", "inspect", str(tmp_path)]) == 2
     assert "interrupted run" in capsys.readouterr().err
+
+
+def test_summary_sizes_optimizer_state_by_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
+    adam = run_json(capsys, "smoke")["memory_per_device_bytes"]
+    muon = run_json(capsys, "smoke", "--set", "optim.name=muon", "--set", "parallel.zero_stage=1")
+    assert muon["memory_per_device_bytes"]["optimizer"] == adam["optimizer"] // 2  # one moment instead of two
+    assert muon["setting"]["optimizer"] == "muon"
+
+
+def test_fit_scaling_json_is_json_alone_on_stdout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n, d = np.meshgrid(np.geomspace(1e6, 1e8, 4), np.geomspace(1e8, 1e10, 4))
+    loss = 1.8 + 400 / n**0.34 + 2000 / d**0.28
+    table = tmp_path / "runs.parquet"
+    pq.write_table(pa.table({"N": n.ravel(), "D": d.ravel(), "loss": loss.ravel()}), table)
+    assert main(["fit-scaling", str(table), "--bootstrap", "20", "--budget", "1e20", "--json"]) == 0
+    captured = capsys.readouterr()
+    fit = json.loads(captured.out)
+    assert fit["law"]["alpha"] == pytest.approx(0.34, rel=0.05)
+    assert "wrote" in captured.err
