@@ -183,7 +183,9 @@ def run_sft_data(cfg: SFTConfig, tok: TokenizerRef, seq_len: int, root: str | Pa
     return run_step(root, step, lambda out, _key: _encode_sft(cfg, tok, seq_len, examples, out))
 
 
-def _encode_sft(cfg: SFTConfig, tok: TokenizerRef, seq_len: int, examples: list[Messages], out: Path) -> SFTManifest:
+def _encode_sft(
+    cfg: SFTConfig, tok: TokenizerRef, seq_len: int, examples: list[Messages], out: Path
+) -> SFTManifest:
     tokenizer = tok.load()
     splits: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "heldout": []}
     heldout_messages: list[Messages] = []

@@ -9,19 +9,17 @@ tokenizer is refused by a model or loader expecting another.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from data_pipeline.config import TokenizerConfig
 from data_pipeline.sources import Corpus, DataError
-from infra.storage import MANIFEST, atomic_write_json, stage_dir
+from infra.steps import Artifact, Step, run_step
 
 log = logging.getLogger(__name__)
 
@@ -119,26 +117,29 @@ def _sample(corpus: Corpus, max_bytes: int) -> Iterator[str]:
             return
 
 
+class TokenizerManifest(Artifact):
+    """A trained tokenizer's directory and its `TokenizerRef` fields."""
+
+    tokenizer: dict[str, Any]
+
+
 def run_train_tokenizer(
     cfg: TokenizerConfig, corpus: Corpus, fingerprint: str, root: str | Path
 ) -> TokenizerRef:
     """Stage: train (or reuse) the tokenizer in `<root>/tokenizer/bpe<V>-<hash>/`; an existing path is used as is."""
     if cfg.path is not None:
         return describe(Path(cfg.path))
-    key = {"version": TOKENIZER_VERSION, "config": cfg.model_dump(mode="json"), "source": fingerprint}
-    out = stage_dir(root, "tokenizer", f"bpe{cfg.vocab_size}", key)
-    if (out / MANIFEST).is_file():
-        return TokenizerRef(**json.loads((out / MANIFEST).read_text())["tokenizer"])
+    config = {"config": cfg.model_dump(mode="json"), "source": fingerprint}
+    step = Step("tokenizer", f"bpe{cfg.vocab_size}", TOKENIZER_VERSION, config, TokenizerManifest)
+    return TokenizerRef(**run_step(root, step, lambda out, _key: _train(cfg, corpus, out)).tokenizer)
+
+
+def _train(cfg: TokenizerConfig, corpus: Corpus, out: Path) -> TokenizerManifest:
     log.info("training a %d-token BPE on up to %d bytes of the corpus", cfg.vocab_size, cfg.train_bytes)
     tokenizer = train_bpe(_sample(corpus, cfg.train_bytes), cfg)
     if corpus.stats.documents == 0:
         raise DataError(f"no text to train the tokenizer on ({corpus.stats.as_dict()}); check data.sources")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
-    save_tokenizer(tokenizer, staging)
-    if out.exists():  # an earlier run died between saving and its manifest
-        shutil.rmtree(out)
-    staging.rename(out)
-    ref = describe(out)
-    atomic_write_json(out / MANIFEST, {"tokenizer": ref.__dict__, "key": key})
-    return ref
+    save_tokenizer(
+        tokenizer, out
+    )  # files from an interrupted attempt are overwritten; the manifest comes last
+    return TokenizerManifest(path=str(out.resolve()), tokenizer=asdict(describe(out)))

@@ -149,9 +149,7 @@ def run_eval(
         "tasks": {t: sha256_file(t) for t in cfg.tasks if t != "builtin"},
     }
     step = Step("eval", spec.name, EVAL_VERSION, config, EvalReport, dict(zip(names, models, strict=True)))
-    return run_step(
-        spec.output_dir, step, lambda out, _key: _evaluate(spec, models, names, sft_heldout, out)
-    )
+    return run_step(spec.output_dir, step, lambda out, _key: _evaluate(spec, models, names, sft_heldout, out))
 
 
 def _evaluate(
@@ -164,7 +162,10 @@ def _evaluate(
     with tracked_run(spec.tracking, spec.output_dir, f"eval-{spec.name}", {"lmforge.stage": "eval"}) as run:
         tracker = run.tracker()
         tracker.log_params(
-            {"eval": cfg.model_dump(mode="json"), "models": {n: r.path for n, r in zip(names, models, strict=True)}}
+            {
+                "eval": cfg.model_dump(mode="json"),
+                "models": {n: r.path for n, r in zip(names, models, strict=True)},
+            }
         )
         table: dict[str, dict[str, float | None]] = {}
         samples, spectra, info = {}, {}, {}

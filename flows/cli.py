@@ -99,7 +99,9 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
         manifest = run_tokenize(recipe.data, recipe.output_dir, progress=report)
         progress.update(task, description="SFT examples")
-        sft = sft_examples(recipe, manifest.tokenizer.path)  # at finetune.train.seq_len, as `lmforge sft` needs
+        sft = sft_examples(
+            recipe, manifest.tokenizer.path
+        )  # at finetune.train.seq_len, as `lmforge sft` needs
     print(f"dataset   {manifest.path}")
     for split, info in manifest.splits.items():
         print(

@@ -38,7 +38,9 @@ class Runner(Protocol):
 
     def trials(self, name: str) -> TrialProgress | None: ...
 
-    def publish(self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None) -> None: ...
+    def publish(
+        self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None
+    ) -> None: ...
 
 
 class Direct:
@@ -70,7 +72,9 @@ def every_tenth(total: int, name: str) -> StepProgress:
 
 def print_trial(done: int, total: int, row: dict[str, Any]) -> None:
     loss = f", val loss {row['loss']:.4f}" if row.get("loss") is not None else ""
-    print(f"sweep trial {done}/{total}: depth {row.get('depth')} C={row.get('budget', 0):.3g} {row.get('status')}{loss}")
+    print(
+        f"sweep trial {done}/{total}: depth {row.get('depth')} C={row.get('budget', 0):.3g} {row.get('status')}{loss}"
+    )
 
 
 # ---- the stages: recipe in, artifact out ----------------------------------------------------------------
@@ -157,7 +161,9 @@ def pretrained(recipe: Recipe, run: Runner) -> TrainedModel:
     return run("pretrain", pretrain, recipe, data, progress=run.steps("pretrain", recipe.train.max_steps))
 
 
-def finetuned(recipe: Recipe, run: Runner, base: TrainedModel | None = None) -> tuple[TrainedModel, SFTManifest]:
+def finetuned(
+    recipe: Recipe, run: Runner, base: TrainedModel | None = None
+) -> tuple[TrainedModel, SFTManifest]:
     base = base or pretrained(recipe, run)
     examples = run("sft_data", sft_data, recipe, base)
     progress = run.steps("finetune", recipe.finetune.train.max_steps)

@@ -38,7 +38,9 @@ class Artifact(BaseModel):
     def load(cls, directory: str | Path) -> Any:
         path = Path(directory) / MANIFEST
         if not path.is_file():
-            raise FileNotFoundError(f"{directory}: no {MANIFEST}; the step has not finished (rerun to resume it)")
+            raise FileNotFoundError(
+                f"{directory}: no {MANIFEST}; the step has not finished (rerun to resume it)"
+            )
         return cls.model_validate_json(path.read_text())
 
 

@@ -66,7 +66,9 @@ def component(name: str) -> str:
         return "router"
     if ".mlp." in name:
         return "mlp"
-    raise ValueError(f"parameter {name!r} belongs to no known component; teach training/accounting.py its name")
+    raise ValueError(
+        f"parameter {name!r} belongs to no known component; teach training/accounting.py its name"
+    )
 
 
 def count_parameters(cfg: ModelConfig) -> ParamCounts:

@@ -1,7 +1,7 @@
 """The interface between the training loop and whatever owns the optimiser step (DeepSpeed, or plain PyTorch).
 
 Per optimiser step the loop calls `forward` and `backward` once per micro-batch (`accumulation_steps` times),
-then `step(lr)` once. DeepSpeed implements it in `training/parallel.py`; `PlainEngine` below is the same contract
+then `step(lr)` once. DeepSpeed implements it in `training/parallel/engine.py`; `PlainEngine` below is the same contract
 in plain PyTorch, one process, used by unit tests of the loop and as the baseline in benchmarks.
 """
 

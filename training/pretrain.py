@@ -91,7 +91,9 @@ class Pretrain(TrainingStage):
         data: DatasetManifest = job.inputs["data"]
         cfg: ModelConfig = job.spec.model
         export_dir = job.run_dir / "hf"
-        verification = export_hf(fp32_state_dict(final, cfg.tie_embeddings), cfg, data.tokenizer.path, export_dir)
+        verification = export_hf(
+            fp32_state_dict(final, cfg.tie_embeddings), cfg, data.tokenizer.path, export_dir
+        )
         step = int(ckpt.read_meta(final)["loop"]["step"])
         val = val_losses(job.run_dir)
         tracker.log_metrics({"export/max_abs_logit_diff": verification["max_abs_logit_diff"]}, step)

@@ -47,7 +47,7 @@ def run_steps(
 
 
 def test_deepspeed_expert_layer_matches_ours() -> None:
-    from training.parallel import ExpertParallelMoE
+    from training.parallel.expert_parallel import ExpertParallelMoE
 
     cfg = MoEConfig(n_experts=4, top_k=2, d_ff_expert=32)
     ours = MoE(48, cfg)

@@ -20,6 +20,8 @@ from infra.registry import register
 from infra.tracking import tracking_uri
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
 @pytest.fixture(scope="module")
 def trained(smoke_base, smoke_lora):
     """The session's smoke model and its LoRA fine-tune, evaluated side by side."""

@@ -102,7 +102,9 @@ def test_rerun_of_a_finished_run_returns_it(golden_run: TrainedModel) -> None:
     assert run_pretrain(recipe.pretrain_spec(), run_tokenize(recipe.data, recipe.output_dir)) == golden_run
     assert manifest.stat().st_mtime_ns == stamp
     # settings that cannot change the weights do not re-key the run: another recipe section, threads, restarts
-    other = recipe.override("eval.max_documents=7", "parallel.threads_per_worker=1", "parallel.max_failures=3")
+    other = recipe.override(
+        "eval.max_documents=7", "parallel.threads_per_worker=1", "parallel.max_failures=3"
+    )
     assert run_pretrain(other.pretrain_spec(), run_tokenize(other.data, other.output_dir)) == golden_run
     assert manifest.stat().st_mtime_ns == stamp
 

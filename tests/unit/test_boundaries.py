@@ -15,7 +15,7 @@ LIBRARIES = ("infra", "data_pipeline", "training", "evaluation")
 MODEL_CODE = ("training/model.py", "training/moe.py", "training/sampling.py", "training/accounting.py")
 # Only these modules may import the library on the left (paths relative to the repository root).
 OWNERS = {
-    "deepspeed": {"training/parallel.py"},
+    "deepspeed": {"training/parallel/"},
     "ray.train": {"training/launch.py"},
     "ray.tune": {"training/sweep.py"},
     "mlflow": {"infra/"},

@@ -104,9 +104,7 @@ def test_summary_sizes_optimizer_state_by_optimizer(capsys: pytest.CaptureFixtur
     assert muon["setting"]["optimizer"] == "muon"
 
 
-def test_fit_scaling_json_is_json_alone_on_stdout(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
+def test_fit_scaling_json_is_json_alone_on_stdout(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -67,7 +67,9 @@ def test_pipeline_flags_reach_the_flow_and_unknown_parameters_are_refused():
     from flows.cli import build_parser
     from flows.cli_services import pipeline_params
 
-    args = build_parser().parse_args(["pipeline", "smoke", "--no-register", "--no-finetune", "--size", "recipe"])
+    args = build_parser().parse_args(
+        ["pipeline", "smoke", "--no-register", "--no-finetune", "--size", "recipe"]
+    )
     params = pipeline_params(args)
     assert (params.register_model, params.finetune, params.size) == (False, False, "recipe")
     assert params.options().register_model is False

@@ -73,7 +73,8 @@ def test_accumulated_step_equals_the_global_token_mean(tmp_path: Path) -> None:
     # a mean of the two micro-batch means would weigh the 2-token batch like the 14-token one
     mean_of_means = Transformer(CFG, seed=1)
     sum(
-        F.cross_entropy(mean_of_means(b.inputs).logits.flatten(0, 1), b.targets.flatten()) / 2 for b in batches
+        F.cross_entropy(mean_of_means(b.inputs).logits.flatten(0, 1), b.targets.flatten()) / 2
+        for b in batches
     ).backward()
     name = "model.layers.0.self_attn.q_proj.weight"
     other = dict(mean_of_means.named_parameters())[name].grad

@@ -1,0 +1,67 @@
+"""The cached-step protocol: keys from config and upstream digests, manifest last, reruns are no-ops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra.config import ConfigError, override
+from infra.steps import Artifact, Step, run_step
+from training.config import TrainConfig
+
+
+class Note(Artifact):
+    text: str
+
+
+def step(config: dict, deps: dict | None = None) -> Step[Note]:
+    return Step("notes", "n", 1, config, Note, deps or {})
+
+
+def test_finished_step_is_returned_without_building(tmp_path: Path) -> None:
+    calls = []
+
+    def build(out: Path, key: str) -> Note:
+        calls.append(key)
+        (out / "body.txt").write_text("hi")
+        return Note(path=str(out), text="hi")
+
+    first = run_step(tmp_path, step({"a": 1}), build)
+    again = run_step(tmp_path, step({"a": 1}), build)
+    assert again == first and len(calls) == 1
+    assert first.key == step({"a": 1}).digest() and Path(first.path).name == f"n-{first.key[:12]}"
+    assert step({"a": 1}).finished(tmp_path) == first and step({"a": 2}).finished(tmp_path) is None
+
+
+def test_a_failed_build_leaves_no_manifest_and_is_built_again(tmp_path: Path) -> None:
+    def broken(out: Path, key: str) -> Note:
+        (out / "partial.txt").write_text("half")
+        raise RuntimeError("crash")
+
+    with pytest.raises(RuntimeError):
+        run_step(tmp_path, step({}), broken)
+    assert step({}).finished(tmp_path) is None
+    seen = []
+
+    def resume(out: Path, key: str) -> Note:
+        seen.append((out / "partial.txt").read_text())  # the build sees what the crash left and may resume it
+        return Note(path=str(out), text="done")
+
+    assert run_step(tmp_path, step({}), resume).text == "done" and seen == ["half"]
+
+
+def test_upstream_artifacts_key_by_digest_not_path(tmp_path: Path) -> None:
+    here, moved = Note(path="/a/x", key="k1", text=""), Note(path="/b/y", key="k1", text="")
+    other = Note(path="/a/x", key="k2", text="")
+    assert step({}, {"up": here}).directory(tmp_path) == step({}, {"up": moved}).directory(tmp_path)
+    assert step({}, {"up": here}).directory(tmp_path) != step({}, {"up": other}).directory(tmp_path)
+
+
+def test_override_revalidates_with_the_config_type() -> None:
+    train = override(TrainConfig(), "max_steps=7", {"seed": 3})
+    assert (train.max_steps, train.seed) == (7, 3)
+    with pytest.raises(ValueError, match="greater than 0"):
+        override(TrainConfig(), {"max_steps": 0})
+    with pytest.raises(ConfigError, match="section.field=value"):
+        override(TrainConfig(), "max_steps")

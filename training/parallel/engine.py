@@ -1,0 +1,134 @@
+"""The DeepSpeed engine behind the loop's `Engine` interface: the generated DeepSpeed config (ZeRO, precision,
+accumulation, clipping), the optimiser from `training/optim.py`, activation checkpointing and the expert-parallel
+swap applied before `deepspeed.initialize`, and checkpoint save/load of module, optimiser and step counters.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from data_pipeline.loader import Batch
+from training.config import OptimConfig, ParallelConfig, TrainConfig
+from training.model import ModelOutput, Transformer
+from training.optim import BuiltByDeepSpeed, build_optimizer, param_groups
+from training.parallel.expert_parallel import swap_in_expert_parallel
+
+log = logging.getLogger(__name__)
+DS_TAG = "state"  # DeepSpeed's tag inside each of our checkpoint directories
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = (
+            deep_merge(merged[key], value)
+            if isinstance(value, dict) and isinstance(merged.get(key), dict)
+            else value
+        )
+    return merged
+
+
+def deepspeed_config(parallel: ParallelConfig, optim: OptimConfig, train: TrainConfig) -> dict[str, Any]:
+    """The DeepSpeed JSON for these slices (the optimiser is passed separately); `parallel.deepspeed` keys are
+    merged on top."""
+    config: dict[str, Any] = {
+        "train_batch_size": train.global_batch(parallel.world_size),
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum_steps(parallel.world_size),
+        "gradient_clipping": optim.grad_clip,
+        "zero_optimization": {"stage": parallel.zero_stage},
+        "bf16": {"enabled": parallel.precision == "bf16"},
+        "fp16": {"enabled": parallel.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+    return deep_merge(config, parallel.deepspeed)
+
+
+def checkpoint_activations(model: Transformer) -> None:
+    """Recompute each block's activations in backward instead of storing them (Chen et al. 2016)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.model.layers:
+        forward = block.forward
+        block.forward = lambda *args, _forward=forward: checkpoint(_forward, *args, use_reentrant=False)
+
+
+class DeepSpeedEngine:
+    """The loop's `Engine` over a DeepSpeed engine (DeepSpeed counts micro-batches in its own `step()` calls)."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+        self.module: nn.Module = ds.module
+        self.accumulation_steps: int = ds.gradient_accumulation_steps()
+        self.device = next(ds.module.parameters()).device
+        self._micro = 0
+        # DeepSpeed reports no gradient norm for plain fp32 without ZeRO; there p.grad holds the full gradient.
+        self._plain_grads = ds.zero_optimization_stage() == 0 and not (
+            ds.bfloat16_enabled() or ds.fp16_enabled()
+        )
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        return self.ds(batch.inputs.to(self.device), targets=batch.targets.to(self.device))
+
+    def backward(self, loss: Tensor) -> None:
+        self.ds.backward(loss)
+        self._micro += 1
+        if self._micro < self.accumulation_steps:
+            self.ds.step()  # not a boundary: DeepSpeed only advances its micro-step counter
+
+    def step(self, lr: float) -> float:
+        for group in self.ds.optimizer.param_groups:
+            group["lr"] = lr
+        local = _grad_norm(self.module) if self._plain_grads else float("nan")
+        self.ds.step()
+        self._micro = 0
+        reported = self.ds.get_global_grad_norm()
+        return float(reported) if reported is not None else local
+
+    def train(self, mode: bool = True) -> None:
+        self.ds.train(mode)
+
+    def save(self, directory: Path) -> None:
+        """All ranks: module, optimizer and step counters (without DeepSpeed's `latest` pointer)."""
+        self.ds.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        path, _ = self.ds.load_checkpoint(str(directory), tag=DS_TAG, load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"{directory}: DeepSpeed found no checkpoint to load")
+
+
+def _grad_norm(module: nn.Module) -> float:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
+
+
+def build_engine(
+    model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, train: TrainConfig
+) -> DeepSpeedEngine:
+    """deepspeed.initialize over our parameter groups and the optimiser `training/optim.py` builds."""
+    import deepspeed
+
+    if parallel.ep_size > 1:
+        swap_in_expert_parallel(model, parallel.ep_size)
+    if parallel.activation_checkpointing:
+        checkpoint_activations(model)
+    groups = param_groups(model, optim)
+    if parallel.ep_size > 1:  # expert weights are reduced within their expert-data-parallel group only
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    config = deepspeed_config(parallel, optim, train)
+    optimizer = build_optimizer(groups, optim)
+    if isinstance(optimizer, BuiltByDeepSpeed):
+        config["optimizer"] = optimizer.config
+        ds, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    else:
+        ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return DeepSpeedEngine(ds)
