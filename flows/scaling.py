@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from evaluation.scaling_data import ScalingPoints, points_from_table
 from evaluation.scaling_report import FIT_FILE, PLOTS, ScalingFit, run_fit_scaling
 from flows.recipe import Recipe
-from infra.tracking import TrackedRun, tracking_uri
+from infra.tracking import existing_run
 from training.sweep import SweepResult
 
 
@@ -49,8 +49,7 @@ def fit_sweep(recipe: Recipe, sweep: SweepResult, n_bootstrap: int = 2000) -> Sc
     fit = run_fit_scaling(
         sweep_points(sweep.results), out, target_budget=target_budget(recipe), n_bootstrap=n_bootstrap
     )
-    uri = tracking_uri(recipe.tracking, recipe.output_dir) if recipe.tracking.enabled else None
-    tracker = TrackedRun(uri=uri, run_id=sweep.mlflow_run_id).tracker()
+    tracker = existing_run(recipe.tracking, recipe.output_dir, sweep.mlflow_run_id).tracker()
     tracker.log_metrics({f"fit/{k}": v for k, v in fit.law.items()}, step=0)
     tracker.log_metrics({"fit/n_opt": fit.optimal.n_opt, "fit/d_opt": fit.optimal.d_opt}, step=0)
     for name in (FIT_FILE, *PLOTS):

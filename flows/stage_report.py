@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from infra.tracking import TrackedRun, tracking_uri
+from infra.tracking import existing_run
 
 
 def publish(stage: str, recipe: Any, numbers: dict[str, Any], mlflow_run_id: str | None = None) -> None:
@@ -14,8 +14,7 @@ def publish(stage: str, recipe: Any, numbers: dict[str, Any], mlflow_run_id: str
 
     lines = [f"### {stage}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in numbers.items()]
-    uri = tracking_uri(recipe.tracking, recipe.output_dir) if recipe.tracking.enabled else None
-    url = TrackedRun(uri=uri, run_id=mlflow_run_id).url()
+    url = existing_run(recipe.tracking, recipe.output_dir, mlflow_run_id).url()
     if url:
         lines += ["", f"[MLflow run]({url})"]
     key = "".join(c if c.isalnum() else "-" for c in f"{recipe.name}-{stage}".lower()).strip("-")

@@ -166,6 +166,13 @@ class TrackedRun(BaseModel):
             mlflow.log_input(dataset, context="training")
 
 
+def existing_run(cfg: TrackingConfig, output_dir: str | Path, run_id: str | None) -> TrackedRun:
+    """The `TrackedRun` of a run created earlier (by id), in the store this config points at."""
+    if not cfg.enabled or run_id is None:
+        return TrackedRun()
+    return TrackedRun(uri=tracking_uri(cfg, output_dir), run_id=run_id)
+
+
 def open_run(
     cfg: TrackingConfig,
     output_dir: str | Path,
@@ -174,13 +181,11 @@ def open_run(
     resume_id: str | None = None,
 ) -> TrackedRun:
     """Create the MLflow run for a stage (nested under `cfg.parent_run_id`), or continue `resume_id`."""
-    if not cfg.enabled:
-        return TrackedRun()
-    uri = tracking_uri(cfg, output_dir)
-    if resume_id is not None:
-        return TrackedRun(uri=uri, run_id=resume_id)
+    if not cfg.enabled or resume_id is not None:
+        return existing_run(cfg, output_dir, resume_id)
     import mlflow
 
+    uri = tracking_uri(cfg, output_dir)
     tags = redact({**cfg.tags, **tags})
     if cfg.parent_run_id:
         tags["mlflow.parentRunId"] = cfg.parent_run_id

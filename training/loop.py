@@ -107,9 +107,10 @@ def evaluate(engine: Engine, batches: Iterator[Batch]) -> float:
     engine.train(False)
     total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # (sum of losses, tokens)
     for batch in batches:
+        out = engine.forward(batch)  # on every rank, even without targets: ZeRO-3's forward is a collective
         n = batch.n_targets()
         if n:
-            total += torch.stack([engine.forward(batch).ce_loss.double() * n, total.new_tensor(float(n))])
+            total += torch.stack([out.ce_loss.double() * n, total.new_tensor(float(n))])
     engine.train(True)
     total = all_reduce_sum(total)
     return float(total[0] / total[1]) if total[1] else float("nan")

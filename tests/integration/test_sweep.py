@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlflow
 import pyarrow.parquet as pq
 import pytest
@@ -9,7 +11,7 @@ import pytest
 from data_pipeline.tokenize import run_tokenize
 from flows.recipe import load_recipe
 from infra.tracking import tracking_uri
-from tests.pretrain_helpers import smoke_overrides
+from tests.pretrain_helpers import cli, smoke_overrides, with_sets
 from training.sweep import plan_trials, run_sweep
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -73,8 +75,6 @@ def test_rerun_skips_finished_work(sweep_setup):
 
 def test_rerun_after_a_lost_sweep_manifest_reuses_finished_trials(sweep_setup):
     recipe, data, result, _ = sweep_setup
-    from pathlib import Path
-
     (Path(result.sweep_dir) / "manifest.json").unlink()
     again = run_sweep(recipe.sweep_spec(), data)
     assert again.wall_seconds == 0.0 and again.trial_seconds == 0.0  # no trial ran
@@ -106,3 +106,12 @@ def test_asha_stops_poor_learning_rates_early(tmp_path):
     stopped = [r for r in rows if r["status"] == "stopped"]
     assert all(r["loss"] is None and r["lr"] < 3e-3 for r in stopped)
     assert any(r["status"] == "completed" and r["lr"] == 3e-3 for r in rows)
+
+
+def test_cli_sweep_runs_new_trials_with_a_live_progress_bar(sweep_setup):
+    """`lmforge sweep` hands Tune a callback wrapping a rich progress bar (which cannot be pickled)."""
+    recipe, _, _, _ = sweep_setup
+    overrides = smoke_overrides(Path(recipe.output_dir), "sweep.budgets=[1e10]", "sweep.depths=[3]")
+    result = cli("sweep", "smoke", "--no-fit", *with_sets(overrides))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(1 completed, 0 stopped early)" in result.stdout
