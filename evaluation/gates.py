@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from evaluation.config import EvalConfig
+from evaluation.report import EvalReport
+from training.stage import TrainedModel
 
 
-def gate_results(report: Any, candidate: str, base: str | None, ref: Any, cfg: Any) -> dict[str, bool]:
+def gate_results(
+    report: EvalReport, candidate: str, base: str | None, ref: TrainedModel, cfg: EvalConfig
+) -> dict[str, bool]:
     """export_verified always; beats_base (SFT held-out response loss, else held-out text loss) when configured."""
     gates = {"export_verified": bool(ref.export_valid)}
     if cfg.gate_below_base and base is not None and base != candidate:

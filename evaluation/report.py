@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.config import DataConfig
+from data_pipeline.sources import Corpus
 from evaluation.config import EvalConfig
 from evaluation.heldout import heldout_documents, heldout_metrics
 from evaluation.model_io import EvalModel, load_for_eval
@@ -57,7 +58,7 @@ class EvalReport(Artifact):
         return self.metrics.get(metric, {}).get(model)
 
 
-def build_tasks(cfg: Any, sft_heldout: str | Path | None) -> list[Task]:
+def build_tasks(cfg: EvalConfig, sft_heldout: str | Path | None) -> list[Task]:
     tasks: list[Task] = []
     for spec in cfg.tasks:
         if spec == "builtin":
@@ -70,7 +71,7 @@ def build_tasks(cfg: Any, sft_heldout: str | Path | None) -> list[Task]:
 
 
 def evaluate_model(
-    em: EvalModel, cfg: Any, docs: list, tasks: list[Task]
+    em: EvalModel, cfg: EvalConfig, docs: list, tasks: list[Task]
 ) -> tuple[dict[str, float], list, dict]:
     """Every metric, the samples and the spectra summary of one model."""
     metrics: dict[str, float] = {}
@@ -141,12 +142,15 @@ def run_eval(
     names = names or [ref.kind for ref in models]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be distinct, got {names}; pass names=[...]")
+    # content, not places: the corpus by its fingerprint, task files and the SFT held-out set by their sha256
+    data = spec.data
     config = {
-        "eval": cfg.model_dump(mode="json"),
-        "data": spec.data.model_dump(mode="json"),
+        "eval": cfg.model_dump(mode="json", exclude={"tasks"}),
+        "tasks": [t if t == "builtin" else sha256_file(t) for t in cfg.tasks],
+        "data": data.model_dump(mode="json", include={"text_field", "max_documents", "val_fraction"}),
+        "corpus": Corpus(data).fingerprint(),
         "names": names,
         "sft_heldout": sha256_file(sft_heldout) if sft_heldout else None,
-        "tasks": {t: sha256_file(t) for t in cfg.tasks if t != "builtin"},
     }
     step = Step("eval", spec.name, EVAL_VERSION, config, EvalReport, dict(zip(names, models, strict=True)))
     return run_step(spec.output_dir, step, lambda out, _key: _evaluate(spec, models, names, sft_heldout, out))

@@ -1,9 +1,8 @@
-"""Content-addressed stage directories and crash-safe file writes.
+"""Content digests and crash-safe file writes, the ground the cached-step protocol (`infra/steps.py`) stands on.
 
-A stage writes into `<root>/<stage>/<name>-<hash>/`, where the hash covers everything that determines its
-output (versioned config, upstream digests). `manifest.json` is written last, atomically: its presence is the
-only sign a stage finished. Files are written to a temporary name, flushed to disk and renamed, so a crash
-leaves either the old file or the new one, never half of one.
+Files are written to a temporary name, flushed to disk and renamed (and the rename made durable), so a crash
+leaves either the old file or the new one, never half of one. `manifest.json` is the name of the file whose
+presence marks a finished stage.
 """
 
 from __future__ import annotations
@@ -22,11 +21,6 @@ def digest_of(value: Any) -> str:
     """sha256 of the canonical JSON of `value` (sorted keys, no whitespace)."""
     canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def stage_dir(root: str | Path, stage: str, name: str, key: Any) -> Path:
-    """`<root>/<stage>/<name>-<first 12 hex of digest_of(key)>`; not created."""
-    return Path(root) / stage / f"{name}-{digest_of(key)[:12]}"
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
