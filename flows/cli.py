@@ -359,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as error:
         print(f"lmforge: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:
+        print(f"lmforge: {interrupt or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -258,8 +258,8 @@ def _sweep(
                 progress(len(rows), len(plans), row)
         wall, trial_seconds = _run_trials(spec.sweep, todo, data, rows, progress, len(plans), sweep_dir)
         missing = [p.name for p in plans if p.name not in rows]
-        if missing:
-            raise RuntimeError(f"sweep interrupted: trials {missing} did not finish; rerun to resume them")
+        if missing:  # Tune stops gracefully on Ctrl-C; hand the interrupt back to the caller
+            raise KeyboardInterrupt(f"sweep interrupted: trials {missing} did not finish; rerun to resume them")
         ordered = [rows[p.name] for p in plans]
         pq.write_table(pa.Table.from_pylist(ordered), sweep_dir / RESULTS)
         tracker.log_artifact(sweep_dir / RESULTS)
@@ -350,14 +350,17 @@ def _run_trials(
 
 
 def _progress_callback(progress: TrialProgress, done: int, total: int) -> Any:
-    """A Tune callback that calls `progress(finished, total, row)` as trials complete. Tune pickles its callbacks
-    when it saves experiment state; the progress function (often a live progress bar) stays out of the pickle."""
+    """A Tune callback that calls `progress(finished, total, row)` as trials complete.
+
+    Tune pickles its callbacks with the experiment state, and the progress function is often a live progress bar
+    (which cannot be pickled): it is kept out of the pickle, and the class's methods capture nothing from this
+    function (cloudpickle pickles a local class by value, closures included).
+    """
     from ray.tune import Callback
 
     class ProgressCallback(Callback):
-        def __init__(self) -> None:
-            self.done = done
-            self.progress: TrialProgress | None = progress
+        def __init__(self, progress: TrialProgress | None, done: int, total: int) -> None:
+            self.progress, self.done, self.total = progress, done, total
 
         def __getstate__(self) -> dict[str, Any]:
             return {**self.__dict__, "progress": None}
@@ -365,6 +368,7 @@ def _progress_callback(progress: TrialProgress, done: int, total: int) -> Any:
         def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
             self.done += 1
             if self.progress is not None:
-                self.progress(self.done, total, (trial.last_result or {}).get("row", {"status": "stopped"}))
+                row = (trial.last_result or {}).get("row", {"status": "stopped"})
+                self.progress(self.done, self.total, row)
 
-    return ProgressCallback()
+    return ProgressCallback(progress, done, total)
