@@ -259,7 +259,7 @@ def _sweep(
         wall, trial_seconds = _run_trials(spec.sweep, todo, data, rows, progress, len(plans), sweep_dir)
         missing = [p.name for p in plans if p.name not in rows]
         if missing:  # Tune stops gracefully on Ctrl-C; hand the interrupt back to the caller
-            raise KeyboardInterrupt(f"sweep interrupted: trials {missing} did not finish; rerun to resume them")
+            raise KeyboardInterrupt(f"sweep interrupted: trials {missing} did not finish")
         ordered = [rows[p.name] for p in plans]
         pq.write_table(pa.Table.from_pylist(ordered), sweep_dir / RESULTS)
         tracker.log_artifact(sweep_dir / RESULTS)
