@@ -47,7 +47,8 @@ def _drain_prefect_logs() -> None:
 
 
 def pipeline_params(args: argparse.Namespace) -> Any:
-    """The pipeline flow's parameters from `lmforge pipeline` flags (validated: the recipe loads)."""
+    """The pipeline flow's parameters from `lmforge pipeline` flags (validated: the recipe loads). Imports
+    Prefect: call it once the Prefect API is chosen."""
     from flows.pipeline import PipelineParams
 
     return PipelineParams(
@@ -65,12 +66,11 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     from infra.tracking import tracking_uri
 
     recipe = load_recipe(args.recipe, args.set)  # refuse bad input before starting anything
-    params = pipeline_params(args)
     state = Path(recipe.output_dir) / "services"
-    with prefect_api(state):
+    with prefect_api(state):  # Prefect reads its settings once, at import: import it inside
         from flows.pipeline import pipeline
 
-        summary = pipeline(params)
+        summary = pipeline(pipeline_params(args))
     print_summary(summary)
     uri = tracking_uri(recipe.tracking, recipe.output_dir)
     print("\nReview the results:")
