@@ -1,9 +1,10 @@
 """The one training loop, shared by every training stage: they differ only in the batches they feed it.
 
-Each optimiser step draws `accumulation_steps` micro-batches and runs them through the `Engine`. The loss is the
-step's global token mean: each micro-batch's mean cross-entropy is weighted by its share of the loss-carrying
-tokens across all micro-batches and ranks (`loss_scale`), so SFT batches with few response tokens weigh less
-(not a mean of means); in pretraining every weight is exactly 1. A micro-batch whose loss is not finite on any
+Each optimiser step draws `accumulation_steps` micro-batches and runs them through the `Engine` under the
+stage's `Objective` (token cross-entropy unless a stage says otherwise). The loss is the step's global mean:
+each micro-batch's mean is weighted by its share of the units (loss-carrying tokens) across all micro-batches and
+ranks (`loss_scale`), so SFT batches with few response tokens weigh less (not a mean of means); in pretraining
+every weight is exactly 1. A micro-batch whose loss is not finite on any
 rank is not back-propagated (a zero loss keeps the ranks' collectives in step) and the step is taken at learning
 rate 0, so weights stay bit-identical; such steps are counted, and the run stops after `max_bad_steps` in a
 row. (Adam's moments still decay once on a skipped step.) A non-finite gradient norm after a step cannot be
@@ -30,6 +31,7 @@ from training import checkpoint as ckpt
 from training.config import OptimConfig, TrainConfig
 from training.engine import Engine, loss_scale
 from training.moe import RouterStats
+from training.objective import Objective, TokenCrossEntropy
 from training.optim import lr_at
 
 log = logging.getLogger(__name__)
@@ -102,15 +104,17 @@ def router_metrics(stats: list[RouterStats]) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, batches: Iterator[Batch]) -> float:
-    """Token-weighted mean cross-entropy over `batches` and all ranks."""
+def evaluate(engine: Engine, batches: Iterator[Batch], objective: Objective) -> float:
+    """The objective's mean over every unit of `batches` on all ranks."""
     engine.train(False)
-    total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # (sum of losses, tokens)
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # (sum of losses, units)
     for batch in batches:
-        out = engine.forward(batch)  # on every rank, even without targets: ZeRO-3's forward is a collective
-        n = batch.n_targets()
+        outcome = objective(
+            engine, batch
+        )  # on every rank, even without units: ZeRO-3's forward is a collective
+        n = objective.units(batch)
         if n:
-            total += torch.stack([out.ce_loss.double() * n, total.new_tensor(float(n))])
+            total += torch.stack([outcome.loss.double() * n, total.new_tensor(float(n))])
     engine.train(True)
     total = all_reduce_sum(total)
     return float(total[0] / total[1]) if total[1] else float("nan")
@@ -125,8 +129,10 @@ def train_loop(
     setup: LoopSetup,
     tracker: Tracker,
     state: LoopState,
+    objective: Objective | None = None,
 ) -> LoopState:
     """Run optimiser steps from `state.step` to `cfg.max_steps`; checkpoints land in `<run_dir>/checkpoints`."""
+    objective = objective or TokenCrossEntropy()
     accumulation = engine.accumulation_steps
     tokens_per_step = cfg.global_batch(setup.world_size) * cfg.seq_len
     metrics_file = setup.run_dir / "metrics.jsonl"
@@ -141,26 +147,29 @@ def train_loop(
     while state.step < cfg.max_steps:
         # --- eval
         if val is not None and state.step % cfg.eval_every == 0:
-            log({"val/loss": evaluate(engine, val())}, state.step)
+            log({"val/loss": evaluate(engine, val(), objective)}, state.step)
 
         # --- step
         started = time.perf_counter()
         lr = lr_at(state.step, optim, cfg.max_steps)
         micro_batches = [train.next_batch() for _ in range(accumulation)]
-        counts = [batch.n_targets() for batch in micro_batches]
+        counts = [objective.units(batch) for batch in micro_batches]
         n_global = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.float64, device=engine.device)))
         losses, bad = [], False
         stats: list[RouterStats] = []
+        extra: dict[str, list[Tensor]] = {}
         for batch, n in zip(micro_batches, counts, strict=True):
-            out = engine.forward(batch)
+            outcome = objective(engine, batch)
             weight = loss_scale(n, n_global, accumulation, setup.world_size) if n else 0.0
-            weighted = out.ce_loss * weight if n else zero_loss(engine.module)
-            loss = weighted + out.aux_loss
+            weighted = outcome.loss * weight if n else zero_loss(engine.module)
+            loss = weighted + outcome.aux_loss
             finite = all_reduce_mean(torch.isfinite(loss.detach()).float().to(engine.device)) == 1.0
             if finite:
                 engine.backward(loss)
                 losses.append(weighted.detach().float())
-                stats = out.router_stats
+                stats = outcome.router_stats
+                for name, value in outcome.metrics.items():
+                    extra.setdefault(name, []).append(value.detach().float())
             else:
                 bad = True
                 engine.backward(zero_loss(engine.module))
@@ -197,6 +206,9 @@ def train_loop(
                 "perf/mfu": setup.flops_per_token * tokens_per_s / (setup.peak_flops * setup.world_size),
                 "train/tokens": float(state.tokens),
                 **router_metrics(stats),
+                **{
+                    name: float(all_reduce_mean(torch.stack(values).mean())) for name, values in extra.items()
+                },
             }
             log(metrics, state.step)
             if setup.progress is not None and setup.rank == 0:
@@ -207,7 +219,7 @@ def train_loop(
             save_checkpoint(engine, train, setup, state, cfg.keep_checkpoints)
 
     if val is not None:
-        log({"val/loss": evaluate(engine, val())}, state.step)
+        log({"val/loss": evaluate(engine, val(), objective)}, state.step)
     return state
 
 

@@ -4,7 +4,8 @@
 key and the inputs' digests; a finished run is returned as is), resume from the newest complete checkpoint into
 the same MLflow run, the run finished FAILED on any error, the launch (one worker in-process, N on Ray Train),
 worker setup (threads, process group, seed, engine, loop) and the manifest. A stage supplies only what differs,
-as a `TrainingStage`: its model, its loaders and its finalize step (export, verification, summary).
+as a `TrainingStage`: its model, its loaders, its objective (token cross-entropy by default) and its finalize
+step (export, verification, summary).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from training.config import TrainConfig, TrainingSpec
 from training.launch import run_stage_workers
 from training.loop import Batches, LoopSetup, resume, train_loop
 from training.model import ModelConfig
+from training.objective import Objective, TokenCrossEntropy
 from training.perf import measure_matmul_peak, published_peak
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,10 @@ class TrainingStage(ABC):
     def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
         """This rank's training batches and (optionally) the validation loader."""
 
+    def objective(self, job: TrainingJob) -> Objective:
+        """What the loop minimises (next-token cross-entropy over the loss-carrying tokens unless overridden)."""
+        return TokenCrossEntropy()
+
     @abstractmethod
     def finalize(self, job: TrainingJob, final: Path, tracker: Tracker) -> TrainedModel:
         """Export and verify the final checkpoint, measure the summary; the manifest is written by the runner."""
@@ -136,8 +142,9 @@ def _train(
     key: str,
     progress: Progress | None,
 ) -> TrainedModel:
-    latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
-    previous = ckpt.read_meta(latest).get("mlflow_run_id") if latest else None
+    # the run continues the MLflow run it started, even when it died before its first checkpoint
+    started = run_dir / "run.json"
+    previous = json.loads(started.read_text())["mlflow_run_id"] if started.is_file() else None
     tags = {
         "lmforge.stage": stage.name,
         "lmforge.config_digest": key,
@@ -149,6 +156,7 @@ def _train(
     with tracked_run(spec.tracking, spec.output_dir, name, tags, previous) as run:
         tracker = run.tracker()
         if previous is None:
+            atomic_write_json(started, {"mlflow_run_id": run.run_id})
             tracker.log_params(spec.model_dump(mode="json", exclude={"tracking", "output_dir"}))
             atomic_write_json(run_dir / "spec.json", spec.model_dump(mode="json"))
             tracker.log_artifact(run_dir / "spec.json")
@@ -188,7 +196,8 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
     )
     state = resume(engine, loader, setup)
     val = (lambda: val_loader.epoch_batches(train.eval_batches)) if val_loader is not None else None
-    train_loop(engine, loader, val, train, spec.optim, setup, job.run.tracker(rank), state)
+    objective = job.stage.objective(job)
+    train_loop(engine, loader, val, train, spec.optim, setup, job.run.tracker(rank), state, objective)
 
 
 def peak_flops_for(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +15,7 @@ from training.config import OptimConfig, TrainConfig
 from training.engine import PlainEngine, loss_scale
 from training.loop import LoopSetup, LoopState, train_loop
 from training.model import ModelConfig, Transformer
+from training.objective import Outcome
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=16)
 
@@ -84,3 +86,39 @@ def test_accumulated_step_equals_the_global_token_mean(tmp_path: Path) -> None:
 def test_uniform_batches_keep_the_mean_of_means_exactly() -> None:
     assert loss_scale(128, 128 * 4 * 2, accumulation=4, world_size=2) == 1.0
     assert loss_scale(2, 16, accumulation=2, world_size=1) == 0.25
+
+
+class PerSequence:
+    """A stage-defined objective: mean over sequences of each sequence's mean token loss, plus a metric."""
+
+    def units(self, batch: Batch) -> int:
+        return batch.inputs.shape[0]
+
+    def __call__(self, engine: PlainEngine, batch: Batch) -> Outcome:
+        logits = engine.forward(batch).logits
+        per_token = F.cross_entropy(
+            logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        ).view(batch.targets.shape)
+        mask = (batch.targets != IGNORE_INDEX).float()
+        per_sequence = (per_token * mask).sum(1) / mask.sum(1)
+        return Outcome(loss=per_sequence.mean(), metrics={"seq/max_loss": per_sequence.max()})
+
+
+def test_a_stage_objective_replaces_the_loss_and_adds_metrics(tmp_path: Path) -> None:
+    import json
+
+    batches = sft_like_batches()
+    model = Transformer(CFG, seed=1)
+    engine = PlainEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), 2, grad_clip=0.0)
+    optim = OptimConfig(lr=1.0, warmup_steps=0, schedule="constant", grad_clip=0.0)
+    train = TrainConfig(seq_len=8, micro_batch_size=2, global_batch_size=4, max_steps=1)
+    setup = LoopSetup(run_dir=tmp_path, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
+    train_loop(engine, Fixed(batches), None, train, optim, setup, NullTracker(), LoopState(), PerSequence())
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    reference = Transformer(CFG, seed=1)
+    with torch.no_grad():
+        expected = torch.stack(
+            [PerSequence()(PlainEngine(reference, None, 1, 0.0), b).loss for b in batches]
+        ).mean()
+    assert record["train/loss"] == pytest.approx(float(expected), rel=1e-6)  # 4 sequences, equal weights
+    assert "seq/max_loss" in record
