@@ -176,6 +176,13 @@ def test_exact_resume_after_sigkill(model: str, tmp_path: Path) -> None:
     resumed = pretrain_cli(out, *extra)
     assert resumed.mlflow_run_id == first_run_id is not None  # the same MLflow run continues
     assert losses(Path(resumed.run_dir)) == losses(Path(straight.run_dir))  # every step, bit for bit
+    # a resume, not a restart: steps up to the checkpoint were logged once (by the killed run), later ones again
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["step"] for r in records if "train/loss" in r]
+    trained = [step for step in logged if step <= done[-1]]
+    assert sorted(set(trained)) == trained == sorted(trained), (
+        "steps before the checkpoint were trained twice"
+    )
     from training.parallel import fp32_state_dict
 
     a = fp32_state_dict(Path(straight.checkpoint), False)
