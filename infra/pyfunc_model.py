@@ -47,6 +47,7 @@ class TextGenerator(PythonModel):
                     attention_mask=torch.ones_like(ids),
                     max_new_tokens=max_new,
                     do_sample=False,
+                    eos_token_id=eos,  # plain continuation stops at end-of-text, as lmforge's sampler does
                     pad_token_id=eos,
                 )
             outputs.append(self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))

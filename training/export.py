@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from data_pipeline.tokenizer import END_OF_TURN, describe
 from infra.storage import atomic_write_json
 from training.hf_interop import build_hf_model, to_hf_state_dict
 from training.model import ModelConfig, Transformer
@@ -32,6 +33,18 @@ def probe_tokens(cfg: ModelConfig, seed: int = 0) -> Tensor:
     return torch.randint(0, cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(seed))
 
 
+def set_special_tokens(hf_model: torch.nn.Module, tokenizer_dir: Path) -> None:
+    """The tokenizer's ids in config.json and generation_config.json (not Llama's defaults, bos 1 / eos 2): generation
+    stops at end-of-text or end-of-turn; padding is the tokenizer's pad; documents start after an end-of-text."""
+    tok = describe(tokenizer_dir)
+    stops = [tok.eos_id]
+    end_of_turn = tok.load().token_to_id(END_OF_TURN)
+    if end_of_turn is not None:
+        stops.append(end_of_turn)
+    for config in (hf_model.config, hf_model.generation_config):
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = tok.eos_id, stops, tok.pad_id
+
+
 def export_hf(
     state_dict: dict[str, Tensor], cfg: ModelConfig, tokenizer_dir: str | Path | None, out: Path
 ) -> dict:
@@ -46,6 +59,8 @@ def export_hf(
         shutil.rmtree(staging)
     hf_model = build_hf_model(cfg)
     hf_model.load_state_dict(to_hf_state_dict(state_dict), strict=True)
+    if tokenizer_dir is not None:
+        set_special_tokens(hf_model, Path(tokenizer_dir))
     hf_model.save_pretrained(str(staging), safe_serialization=True)
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:

@@ -18,7 +18,9 @@ log = logging.getLogger(__name__)
 
 
 def ensure_ray(min_cpus: int = 1) -> None:
-    """Connect to the cluster at `RAY_ADDRESS`, or start a local one with at least `min_cpus` logical CPUs."""
+    """Connect to the cluster at `RAY_ADDRESS`, or else start a private local instance with at least `min_cpus`
+    logical CPUs — never both: a Ray head already running on this machine (say `lmforge up`'s) is not joined
+    unless `RAY_ADDRESS` names it."""
     import ray
 
     if ray.is_initialized():
@@ -26,7 +28,8 @@ def ensure_ray(min_cpus: int = 1) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
     else:
-        ray.init(num_cpus=max(min_cpus, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+        cpus = max(min_cpus, os.cpu_count() or 1)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
 
 
 def run_workers(

@@ -1,0 +1,31 @@
+"""Exports carry the tokenizer's special-token ids, so `transformers` generation stops where ours does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from data_pipeline.tokenizer import END_OF_TURN, describe
+from training.export import export_hf
+from training.model import ModelConfig, Transformer
+
+
+def test_transformers_generation_stops_at_end_of_text(tokenized, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    manifest, _ = tokenized
+    tok = describe(Path(manifest.tokenizer.path))
+    assert tok.eos_id == 0  # special tokens come first in the vocabulary
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64)
+    model = Transformer(cfg, seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit 0: greedy decoding picks id 0, end-of-text
+    assert export_hf(model.state_dict(), cfg, manifest.tokenizer.path, tmp_path / "hf")["valid"]
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    end_of_turn = tok.load().token_to_id(END_OF_TURN)
+    assert hf.generation_config.eos_token_id == [tok.eos_id, end_of_turn]
+    assert hf.config.pad_token_id == tok.pad_id
+    prompt = torch.tensor([[5, 6, 7]])
+    out = hf.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert out[0, 3:].tolist() == [tok.eos_id]  # with Llama's default eos (2) it ran all 8 tokens
