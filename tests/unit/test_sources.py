@@ -22,10 +22,11 @@ def write_mixed(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("alpha text")
     (tmp_path / "b.md").write_text("# beta\n")
     (tmp_path / "c.jsonl").write_text('{"text": "gamma 1"}\n\n{"text": "gamma 2", "id": 3}\n')
-    with gzip.open(tmp_path / "d.jsonl.gz", "wt") as f:
-        f.write(json.dumps({"body": "x", "text": "delta"}) + "\n")
+    # mtime=0: gzip headers carry the write time, which would make two copies differ across a second boundary
+    record = json.dumps({"body": "x", "text": "delta"}) + "\n"
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(record.encode(), mtime=0))
     pq.write_table(pa.table({"text": ["eps 0", None, "eps 2"]}), tmp_path / "e.parquet")
-    (tmp_path / "f.txt.gz").write_bytes(gzip.compress(b"zeta"))
+    (tmp_path / "f.txt.gz").write_bytes(gzip.compress(b"zeta", mtime=0))
 
 
 def test_reads_every_format_in_sorted_order(tmp_path: Path) -> None:
