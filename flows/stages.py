@@ -149,7 +149,11 @@ def register(recipe: Recipe, ref: TrainedModel, report: EvalReport, base_name: s
 
 
 def load_model(run_dir: str | Path) -> TrainedModel:
-    """A finished training run by directory; one line naming the fix when it has not finished."""
+    """A finished training run by directory; one line naming the fix when it is missing or has not finished."""
+    if not Path(run_dir).is_dir():
+        raise ConfigError(
+            f"{run_dir}: no such run directory; give a training run's directory (outputs/<stage>/<name>-<hash>)"
+        )
     try:
         return TrainedModel.load(run_dir)
     except FileNotFoundError as error:

@@ -118,3 +118,11 @@ def test_fit_scaling_json_is_json_alone_on_stdout(capsys: pytest.CaptureFixture[
     fit = json.loads(captured.out)
     assert fit["law"]["alpha"] == pytest.approx(0.34, rel=0.05)
     assert "wrote" in captured.err
+
+
+def test_a_missing_base_run_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["sft", "smoke", "--base", str(tmp_path / "nowhere")]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+    (tmp_path / "unfinished").mkdir()
+    assert main(["eval", "smoke", str(tmp_path / "unfinished")]) == 2
+    assert "has not finished" in capsys.readouterr().err
