@@ -21,9 +21,8 @@ from torch import Tensor
 from data_pipeline.shards import DatasetManifest, ShardReader
 from data_pipeline.sources import DataError
 
-IGNORE_INDEX = (
-    -100
-)  # targets with this value carry no loss (padding, prompt tokens in SFT); torch's convention
+# targets with this value carry no loss (padding, prompt tokens in SFT); torch's convention
+IGNORE_INDEX = -100
 
 
 class Batch(NamedTuple):

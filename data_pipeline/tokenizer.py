@@ -139,7 +139,5 @@ def _train(cfg: TokenizerConfig, corpus: Corpus, out: Path) -> TokenizerManifest
     tokenizer = train_bpe(_sample(corpus, cfg.train_bytes), cfg)
     if corpus.stats.documents == 0:
         raise DataError(f"no text to train the tokenizer on ({corpus.stats.as_dict()}); check data.sources")
-    save_tokenizer(
-        tokenizer, out
-    )  # files from an interrupted attempt are overwritten; the manifest comes last
+    save_tokenizer(tokenizer, out)  # overwrites what an interrupted attempt left; the manifest comes last
     return TokenizerManifest(path=str(out.resolve()), tokenizer=asdict(describe(out)))

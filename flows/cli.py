@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flows.recipe import ConfigError, apply_overrides, load_recipe, validate_recipe
+from flows.runner import Direct, trial_line
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from flows.stages import StepProgress, TrialProgress
+    from flows.runner import StepProgress, TrialProgress
 
 
 def human_count(n: float) -> str:
@@ -99,9 +100,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
         manifest = run_tokenize(recipe.data, recipe.output_dir, progress=report)
         progress.update(task, description="SFT examples")
-        sft = sft_examples(
-            recipe, manifest.tokenizer.path
-        )  # at finetune.train.seq_len, as `lmforge sft` needs
+        sft = sft_examples(recipe, manifest.tokenizer.path)  # at finetune.train.seq_len, as SFT needs
     print(f"dataset   {manifest.path}")
     for split, info in manifest.splits.items():
         print(
@@ -125,14 +124,11 @@ def stderr_console() -> Any:
     return Console(stderr=True)
 
 
-class BarRunner:
+class BarRunner(Direct):
     """The CLI's `Runner`: stages run in this process, each training stage and the sweep with a progress bar."""
 
     def __init__(self, bar: Progress) -> None:
         self.bar = bar
-
-    def __call__(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
 
     def steps(self, name: str, total: int) -> StepProgress:
         task = self.bar.add_task(name, total=total, status="starting")
@@ -146,15 +142,9 @@ class BarRunner:
         task = self.bar.add_task(name, total=None, status="")
 
         def report(done: int, total: int, row: dict[str, Any]) -> None:
-            last = f"depth {row.get('depth')} C={row.get('budget', 0):.2g}: {row.get('status')}"
-            if row.get("loss") is not None:
-                last += f", val loss {row['loss']:.4f}"
-            self.bar.update(task, completed=done, total=total, status=last)
+            self.bar.update(task, completed=done, total=total, status=trial_line(row))
 
         return report
-
-    def publish(self, stage: str, recipe: Any, numbers: dict[str, Any], run_id: str | None = None) -> None:
-        pass
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flows import stages
 from flows.recipe import Recipe, load_recipe
+from flows.runner import Direct
 from flows.stage_report import publish
 
 T = TypeVar("T")
@@ -36,8 +37,8 @@ def transient(task_: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-class PrefectRunner:
-    """Each stage call is a Prefect task run; progress prints into the flow's log; headlines become artifacts."""
+class PrefectRunner(Direct):
+    """Each stage call is a Prefect task run (progress prints into the flow's log); headlines become artifacts."""
 
     def __call__(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         wrapped = task(
@@ -49,12 +50,6 @@ class PrefectRunner:
             cache_policy=NO_CACHE,
         )
         return wrapped(*args, **kwargs)
-
-    def steps(self, name: str, total: int) -> stages.StepProgress:
-        return stages.every_tenth(total, name)
-
-    def trials(self, name: str) -> stages.TrialProgress:
-        return stages.print_trial
 
     def publish(self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None) -> None:
         publish(stage, recipe, numbers, run_id)

@@ -29,6 +29,7 @@ from training.config import (
     SweepConfig,
     TrainConfig,
     check_batch,
+    check_context,
 )
 from training.finetune import SFTSpec
 from training.model import ModelConfig
@@ -76,11 +77,7 @@ class Recipe(BaseModel):
             )
         for prefix, run in (("train", train), ("finetune.train", self.finetune.train)):
             check_batch(run, par, prefix)
-            if run.seq_len > self.model.max_seq_len:
-                raise ValueError(
-                    f"{prefix}.seq_len={run.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
-                    f"lower {prefix}.seq_len or raise model.max_seq_len"
-                )
+            check_context(run, self.model.max_seq_len, prefix)
         if self.data.tokenizer.vocab_size > self.model.vocab_size:
             raise ValueError(
                 f"data.tokenizer.vocab_size={self.data.tokenizer.vocab_size} exceeds "

@@ -1,8 +1,8 @@
 """The DAG, wired once: each stage as a plain function of the recipe, and the compositions that chain them.
 
 The Prefect flows (`flows/pipeline.py`) and the CLI commands (`flows/cli*.py`) are two faces of these functions:
-they differ only in the `Runner` that calls each stage (a Prefect task with retries, or a direct call with a
-progress bar) and in how headline numbers are published. Every stage is a cached step, so any composition
+they differ only in the `Runner` (`flows/runner.py`) that calls each stage (a Prefect task with retries, or a
+direct call with a progress bar) and in how headline numbers are published. Every stage is a cached step, so any composition
 skips what has finished and resumes what was interrupted.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal
 
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict
@@ -21,61 +21,9 @@ from data_pipeline.shards import DatasetManifest
 from evaluation.report import EvalReport
 from evaluation.scaling_report import ScalingFit
 from flows.recipe import ConfigError, Recipe
+from flows.runner import Runner, StepProgress, T, TrialProgress
 from training.stage import TrainedModel
 from training.sweep import SweepResult
-
-T = TypeVar("T")
-StepProgress = Callable[[int, float, float], None]  # (step, loss, tokens/s)
-TrialProgress = Callable[[int, int, dict[str, Any]], None]  # (finished, total, row)
-
-
-class Runner(Protocol):
-    """How each stage is called and how its headline numbers are shown."""
-
-    def __call__(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T: ...
-
-    def steps(self, name: str, total: int) -> StepProgress | None: ...
-
-    def trials(self, name: str) -> TrialProgress | None: ...
-
-    def publish(
-        self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None
-    ) -> None: ...
-
-
-class Direct:
-    """Call each stage in this process; progress and headlines are printed at every tenth of a run."""
-
-    def __call__(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return fn(*args, **kwargs)
-
-    def steps(self, name: str, total: int) -> StepProgress | None:
-        return every_tenth(total, name)
-
-    def trials(self, name: str) -> TrialProgress | None:
-        return print_trial
-
-    def publish(self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None) -> None:
-        pass
-
-
-def every_tenth(total: int, name: str) -> StepProgress:
-    """A training progress callback that prints at every tenth of the run."""
-    mark = max(1, total // 10)
-
-    def report(step: int, loss: float, tokens_per_s: float) -> None:
-        if step % mark == 0 or step == total:
-            print(f"{name} step {step}/{total}: loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s")
-
-    return report
-
-
-def print_trial(done: int, total: int, row: dict[str, Any]) -> None:
-    loss = f", val loss {row['loss']:.4f}" if row.get("loss") is not None else ""
-    print(
-        f"sweep trial {done}/{total}: depth {row.get('depth')} C={row.get('budget', 0):.3g} {row.get('status')}{loss}"
-    )
-
 
 # ---- the stages: recipe in, artifact out ----------------------------------------------------------------
 

@@ -172,6 +172,15 @@ def check_batch(train: TrainConfig, parallel: ParallelConfig, prefix: str = "tra
         )
 
 
+def check_context(train: TrainConfig, max_seq_len: int, prefix: str = "train") -> None:
+    """Training windows must fit the model's context."""
+    if train.seq_len > max_seq_len:
+        raise ValueError(
+            f"{prefix}.seq_len={train.seq_len} exceeds model.max_seq_len={max_seq_len}; "
+            f"lower {prefix}.seq_len or raise model.max_seq_len"
+        )
+
+
 class TrainingSpec(BaseModel):
     """What one training stage receives: its name, where outputs go, its optimiser, run and parallel slices and
     tracking. Subclasses add their own slices and list in `KEY` the fields that determine the trained weights

@@ -34,7 +34,15 @@ from training.loop import Batches
 from training.lora import apply_lora, merged_state_dict, save_adapter, trainable_counts
 from training.model import ModelConfig, Transformer
 from training.sampling import generate
-from training.stage import Progress, TrainedModel, TrainingJob, TrainingStage, run_training_stage, val_losses
+from training.stage import (
+    Progress,
+    TrainedModel,
+    TrainingJob,
+    TrainingStage,
+    run_training_stage,
+    trained_model,
+    val_losses,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +120,6 @@ class SFT(TrainingStage):
 
     def finalize(self, job: TrainingJob, final: Path, tracker: Tracker) -> TrainedModel:
         """Adapter / merged export (verified), before-and-after metrics."""
-        from training import checkpoint as ckpt
         from training.parallel import fp32_state_dict
 
         spec: SFTSpec = job.spec
@@ -148,23 +155,18 @@ class SFT(TrainingStage):
             "sft/exact_match_after": exact_match(tuned_model, tokenizer, examples),
             "export/max_abs_logit_diff": verification["max_abs_logit_diff"],
         }
-        step = int(ckpt.read_meta(final)["loop"]["step"])
-        tracker.log_metrics(summary, step)
-        tracker.log_artifact(job.run_dir / "hf", "hf_export")
         if adapter_dir is not None:
             tracker.log_artifact(adapter_dir, "adapter")
         atomic_write_json(job.run_dir / "sft_summary.json", summary)
-        return TrainedModel(
-            path=str(job.run_dir),
-            kind="lora" if spec.method == "lora" else "sft-full",
-            checkpoint=str(final.resolve()),
-            hf_export=str((job.run_dir / "hf").resolve()),
-            export_valid=bool(verification["valid"]),
-            max_abs_logit_diff=verification["max_abs_logit_diff"],
-            step=step,
+        return trained_model(
+            job,
+            final,
+            tracker,
+            "lora" if spec.method == "lora" else "sft-full",
+            verification,
+            summary,
             final_val_loss=val[-1],
             tokenizer_digest=base.tokenizer_digest,
-            mlflow_run_id=job.run.run_id,
             model=base.model,
             adapter=str(adapter_dir.resolve()) if adapter_dir else None,
             base_run_dir=base.path,

@@ -72,18 +72,16 @@ class LoopSetup:
     progress: Callable[[int, float, float], None] | None = None  # (step, loss, tokens/s), rank 0
 
 
-def all_reduce_mean(value: Tensor) -> Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return value
-
-
 def all_reduce_sum(value: Tensor) -> Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()
         dist.all_reduce(value)
+    return value
+
+
+def all_reduce_mean(value: Tensor) -> Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return all_reduce_sum(value) / dist.get_world_size()
     return value
 
 
@@ -109,9 +107,8 @@ def evaluate(engine: Engine, batches: Iterator[Batch], objective: Objective) -> 
     engine.train(False)
     total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # (sum of losses, units)
     for batch in batches:
-        outcome = objective(
-            engine, batch
-        )  # on every rank, even without units: ZeRO-3's forward is a collective
+        # on every rank, even without units: ZeRO-3's forward is a collective
+        outcome = objective(engine, batch)
         n = objective.units(batch)
         if n:
             total += torch.stack([outcome.loss.double() * n, total.new_tensor(float(n))])

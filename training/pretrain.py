@@ -21,11 +21,19 @@ from data_pipeline.sources import DataError
 from infra.steps import Artifact
 from infra.storage import MANIFEST
 from infra.tracking import Tracker
-from training.config import TrainingSpec
+from training.config import TrainingSpec, check_context
 from training.export import export_hf
 from training.loop import Batches
 from training.model import ModelConfig, Transformer
-from training.stage import Progress, TrainedModel, TrainingJob, TrainingStage, run_training_stage, val_losses
+from training.stage import (
+    Progress,
+    TrainedModel,
+    TrainingJob,
+    TrainingStage,
+    run_training_stage,
+    trained_model,
+    val_losses,
+)
 
 
 class PretrainSpec(TrainingSpec):
@@ -37,11 +45,7 @@ class PretrainSpec(TrainingSpec):
 
     @model_validator(mode="after")
     def _fits_context(self) -> PretrainSpec:
-        if self.train.seq_len > self.model.max_seq_len:
-            raise ValueError(
-                f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
-                "lower train.seq_len or raise model.max_seq_len"
-            )
+        check_context(self.train, self.model.max_seq_len)
         return self
 
 
@@ -85,31 +89,23 @@ class Pretrain(TrainingStage):
         return loader, val
 
     def finalize(self, job: TrainingJob, final: Path, tracker: Tracker) -> TrainedModel:
-        from training import checkpoint as ckpt
         from training.parallel import fp32_state_dict
 
         data: DatasetManifest = job.inputs["data"]
         cfg: ModelConfig = job.spec.model
-        export_dir = job.run_dir / "hf"
-        verification = export_hf(
-            fp32_state_dict(final, cfg.tie_embeddings), cfg, data.tokenizer.path, export_dir
-        )
-        step = int(ckpt.read_meta(final)["loop"]["step"])
+        state = fp32_state_dict(final, cfg.tie_embeddings)
+        verification = export_hf(state, cfg, data.tokenizer.path, job.run_dir / "hf")
         val = val_losses(job.run_dir)
-        tracker.log_metrics({"export/max_abs_logit_diff": verification["max_abs_logit_diff"]}, step)
-        tracker.log_artifact(export_dir, "hf_export")
         tracker.log_artifact(job.run_dir / "metrics.jsonl")
-        return TrainedModel(
-            path=str(job.run_dir),
-            kind="pretrain",
-            checkpoint=str(final.resolve()),
-            hf_export=str(export_dir.resolve()),
-            export_valid=bool(verification["valid"]),
-            max_abs_logit_diff=verification["max_abs_logit_diff"],
-            step=step,
+        return trained_model(
+            job,
+            final,
+            tracker,
+            "pretrain",
+            verification,
+            {"export/max_abs_logit_diff": verification["max_abs_logit_diff"]},
             final_val_loss=val[-1] if val else None,
             tokenizer_digest=data.tokenizer.digest,
-            mlflow_run_id=job.run.run_id,
             model=cfg.model_dump(mode="json"),
         )
 

@@ -113,6 +113,34 @@ class TrainingStage(ABC):
         """Export and verify the final checkpoint, measure the summary; the manifest is written by the runner."""
 
 
+def trained_model(
+    job: TrainingJob,
+    final: Path,
+    tracker: Tracker,
+    kind: str,
+    verification: dict[str, Any],
+    metrics: dict[str, float],
+    **fields: Any,
+) -> TrainedModel:
+    """What every `finalize` ends with: `metrics` and the verified export (`<run>/hf`) logged at the final step,
+    and the run's `TrainedModel` (the stage adds its own `fields`: val loss, tokenizer, model, adapter ...)."""
+    step = int(ckpt.read_meta(final)["loop"]["step"])
+    export_dir = job.run_dir / "hf"
+    tracker.log_metrics(metrics, step)
+    tracker.log_artifact(export_dir, "hf_export")
+    return TrainedModel(
+        path=str(job.run_dir),
+        kind=kind,
+        checkpoint=str(final.resolve()),
+        hf_export=str(export_dir.resolve()),
+        export_valid=bool(verification["valid"]),
+        max_abs_logit_diff=verification["max_abs_logit_diff"],
+        step=step,
+        mlflow_run_id=job.run.run_id,
+        **fields,
+    )
+
+
 def training_step(
     stage: TrainingStage, spec: TrainingSpec, inputs: Mapping[str, Artifact]
 ) -> Step[TrainedModel]:
