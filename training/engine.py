@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from data_pipeline.loader import Batch
 from training.model import ModelOutput
+from training.optim import set_lr
 
 
 class Engine(Protocol):
@@ -68,8 +69,7 @@ class PlainEngine:
         (loss / self.accumulation_steps).backward()
 
     def step(self, lr: float) -> float:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         params = [p for p in self.module.parameters() if p.grad is not None]
         clip = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(params, clip))

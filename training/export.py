@@ -58,7 +58,7 @@ def export_hf(
     if staging.exists():
         shutil.rmtree(staging)
     hf_model = build_hf_model(cfg)
-    hf_model.load_state_dict(to_hf_state_dict(state_dict), strict=True)
+    hf_model.load_state_dict(to_hf_state_dict(state_dict, cfg), strict=True)
     if tokenizer_dir is not None:
         set_special_tokens(hf_model, Path(tokenizer_dir))
     hf_model.save_pretrained(str(staging), safe_serialization=True)

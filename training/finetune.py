@@ -30,6 +30,7 @@ from infra.storage import atomic_write_json
 from infra.tracking import Tracker
 from training.config import LoraSettings, TrainingSpec
 from training.export import export_hf
+from training.hf_interop import query_fold
 from training.loop import Batches
 from training.lora import apply_lora, merged_state_dict, save_adapter, trainable_counts
 from training.model import ModelConfig, Transformer
@@ -136,7 +137,7 @@ class SFT(TrainingStage):
         if spec.method == "lora":
             tuned.load_state_dict(state, strict=True)
             adapter_dir = job.run_dir / "adapter"
-            save_adapter(tuned, adapter_dir, base.hf_export)
+            save_adapter(tuned, adapter_dir, base.hf_export, query_fold(cfg))
             weights = merged_state_dict(tuned)
         else:
             weights = state

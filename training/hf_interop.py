@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,23 @@ def build_hf_model(cfg: ModelConfig) -> nn.Module:
     return model_cls(config)
 
 
-def to_hf_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Our state dict in Hugging Face keys: the identity (see the module docstring), kept as the one place to change."""
-    return dict(state_dict)
+def query_fold(cfg: ModelConfig) -> float:
+    """Factor folded into q_proj so that Hugging Face's 1/sqrt(head_dim) equals our attention scale (μP: ≠ 1)."""
+    return cfg.attn_scale * math.sqrt(cfg.head_dim)
+
+
+def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Our state dict in Hugging Face keys (the identity, see the module docstring) with μP's multipliers folded
+    into the weights: the attention scale into q_proj (RoPE is linear in q), the logit multiplier into the final
+    norm's gain (so a tied embedding stays shared)."""
+    out = dict(state_dict)
+    q = query_fold(cfg)
+    if q != 1.0:
+        for key in [k for k in out if k.endswith("self_attn.q_proj.weight")]:
+            out[key] = out[key] * q
+    if cfg.output_mult != 1.0:
+        out["model.norm.weight"] = out["model.norm.weight"] * cfg.output_mult
+    return out
 
 
 def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:

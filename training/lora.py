@@ -77,9 +77,16 @@ def trainable_counts(model: nn.Module) -> tuple[int, int]:
     return trainable, sum(p.numel() for p in model.parameters())
 
 
-def save_adapter(peft_model: nn.Module, out: Path, base_export: str | None) -> None:
-    """PEFT's adapter directory, pointing at the base's Hugging Face export."""
+def save_adapter(peft_model: nn.Module, out: Path, base_export: str | None, q_fold: float = 1.0) -> None:
+    """PEFT's adapter directory, pointing at the base's Hugging Face export; `q_fold` (μP's attention scale,
+    folded into the export's q_proj) scales the q_proj adapters' B the same way."""
     peft_model.save_pretrained(str(out))
+    if q_fold != 1.0:
+        from safetensors.torch import load_file, save_file
+
+        path = out / "adapter_model.safetensors"
+        weights = load_file(str(path))
+        save_file({k: v * q_fold if "q_proj.lora_B" in k else v for k, v in weights.items()}, str(path))
     if base_export is not None:
         config_path = out / "adapter_config.json"
         config = json.loads(config_path.read_text())

@@ -27,6 +27,21 @@ from training.moe import MoE, MoEConfig, RouterStats
 IGNORE_INDEX = -100  # targets with this value carry no loss (padding, prompt tokens in SFT)
 
 
+class MuPConfig(BaseModel):
+    """Maximal-update parametrisation (Yang et al. 2022, "Tensor Programs V"), for Adam: with the width ratio
+    m = d_model / base_width, hidden matrices start with variance / m and train at learning rate lr / m, logits
+    are multiplied by `output_mult` / m, attention scores use `attn_mult` / head_dim (not 1/sqrt(head_dim)), and
+    embeddings, norms and the readout keep the base learning rate. At m = 1 the model is the standard one
+    (up to the attention scale), so a learning rate tuned at `base_width` transfers to every width.
+    The multipliers fold into the weights at Hugging Face export (`training/hf_interop.py`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base_width: PositiveInt = 64
+    output_mult: PositiveFloat = 1.0
+    attn_mult: PositiveFloat = 1.0
+
+
 class ModelConfig(BaseModel):
     """Architecture hyper-parameters. `depth` in a recipe derives the widths (see `from_depth`)."""
 
@@ -44,6 +59,7 @@ class ModelConfig(BaseModel):
     tie_embeddings: bool = False
     init_std: PositiveFloat = 0.02
     moe: MoEConfig | None = None
+    mup: MuPConfig | None = None  # None: standard parametrisation
 
     @model_validator(mode="before")
     @classmethod
@@ -87,6 +103,25 @@ class ModelConfig(BaseModel):
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def width_mult(self) -> float:
+        """μP's m = d_model / base_width (1 without μP)."""
+        return self.d_model / self.mup.base_width if self.mup else 1.0
+
+    @property
+    def attn_scale(self) -> float:
+        """Multiplier of q·k: 1/sqrt(head_dim), or μP's attn_mult/head_dim."""
+        return self.mup.attn_mult / self.head_dim if self.mup else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def output_mult(self) -> float:
+        """Multiplier of the logits: 1, or μP's output_mult/m."""
+        return self.mup.output_mult / self.width_mult if self.mup else 1.0
+
+    def hidden_lr_mult(self) -> float:
+        """Learning-rate multiplier of the hidden matrices (those inside the blocks): 1, or μP's 1/m."""
+        return 1.0 / self.width_mult
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(layer)
 
@@ -106,6 +141,11 @@ def depth_dial(depth: int, aspect_ratio: int = 64, head_dim: int = 64, kv_ratio:
     n_kv_heads = max(1, n_heads // kv_ratio)
     d_ff = 32 * math.ceil(8 * d_model / 3 / 32)  # Llama's 2/3 * 4d, rounded up to a multiple of 32
     return {"d_model": d_model, "n_layers": depth, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "d_ff": d_ff}
+
+
+def is_hidden(name: str) -> bool:
+    """A hidden matrix: one inside the blocks (μP scales its init and learning rate with width)."""
+    return name.startswith("model.layers.") and not name.endswith("norm.weight")
 
 
 def divisors(n: int) -> list[int]:
@@ -169,6 +209,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.scale = cfg.attn_scale
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -187,7 +228,13 @@ class Attention(nn.Module):
         if 1 < T < S:  # a chunk appended to a cache: query t sees keys up to its absolute position
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=T == S and T > 1, enable_gqa=self.n_kv_heads != self.n_heads
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=T == S and T > 1,
+            scale=self.scale,
+            enable_gqa=self.n_kv_heads != self.n_heads,
         )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -266,19 +313,21 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """N(0, init_std) everywhere, residual outputs scaled by 1/sqrt(2·n_layers) (GPT-2), norms at one.
+        """N(0, init_std) everywhere, residual outputs scaled by 1/sqrt(2·n_layers) (GPT-2), norms at one; under
+        μP hidden matrices (inside the blocks) get variance init_std² / m.
 
         Values are drawn on the CPU in fp32 from one generator in parameter order, so the same seed gives the
         same weights on any device, dtype or number of workers.
         """
         generator = torch.Generator().manual_seed(seed)
-        residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        hidden_std = self.cfg.init_std / math.sqrt(self.cfg.width_mult)
+        residual_std = hidden_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
             is_residual_out = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
-            std = residual_std if is_residual_out else self.cfg.init_std
+            std = residual_std if is_residual_out else hidden_std if is_hidden(name) else self.cfg.init_std
             values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
             param.copy_(values)
 
@@ -296,6 +345,8 @@ class Transformer(nn.Module):
             if layer_stats is not None:
                 stats.append(layer_stats)
         logits = self.lm_head(self.model.norm(x))  # (B, T, V)
+        if self.cfg.output_mult != 1.0:
+            logits = logits * self.cfg.output_mult
         if targets is None:
             return ModelOutput(logits=logits, router_stats=stats)
         ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)

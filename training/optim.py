@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from training.config import OptimConfig
+from training.model import is_hidden
 
 
 def no_decay(name: str, param: nn.Parameter) -> bool:
@@ -25,18 +26,29 @@ def no_decay(name: str, param: nn.Parameter) -> bool:
     return param.ndim < 2 or "norm" in name or "embed_tokens" in name
 
 
-def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
-    """Two groups: weight-decayed matrices and everything else (no decay)."""
-    decay, plain = [], []
+def param_groups(model: nn.Module, cfg: OptimConfig, hidden_lr_mult: float = 1.0) -> list[dict]:
+    """Weight-decayed matrices and everything else (no decay); with `hidden_lr_mult` ≠ 1 (μP), the matrices
+    inside the blocks form a third group whose `lr_mult` scales the schedule's learning rate."""
+    hidden, decay, plain = [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (plain if no_decay(name, param) else decay).append(param)
+        if no_decay(name, param):
+            plain.append(param)
+        else:
+            (hidden if hidden_lr_mult != 1.0 and is_hidden(name) else decay).append(param)
     groups = [
-        {"name": "decay", "params": decay, "weight_decay": cfg.weight_decay},
-        {"name": "no_decay", "params": plain, "weight_decay": 0.0},
+        {"name": "hidden", "params": hidden, "weight_decay": cfg.weight_decay, "lr_mult": hidden_lr_mult},
+        {"name": "decay", "params": decay, "weight_decay": cfg.weight_decay, "lr_mult": 1.0},
+        {"name": "no_decay", "params": plain, "weight_decay": 0.0, "lr_mult": 1.0},
     ]
     return [g for g in groups if g["params"]]
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's learning rate on every group, times the group's `lr_mult` (μP)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
 
 
 # fp32 bytes of optimiser state per trained parameter (AdamW: two moments; Muon: one momentum on the matrices
@@ -56,6 +68,8 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimiz
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
     if cfg.name == "muon":
+        if any(g.get("lr_mult", 1.0) != 1.0 for g in groups):
+            raise ValueError("μP's per-width learning rates need optim.name=adamw (DeepSpeed's Muon groups its own)")
         params = {"lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
         return BuiltByDeepSpeed({"type": "Muon", "params": params})
     raise ValueError(f"optim.name={cfg.name!r} has no builder in training/optim.py")

@@ -15,7 +15,7 @@ from training.hf_interop import (
     model_config_from_hf,
     to_hf_state_dict,
 )
-from training.model import ModelConfig, Transformer
+from training.model import ModelConfig, MuPConfig, Transformer
 from training.moe import MoEConfig
 from training.sampling import generate
 
@@ -30,13 +30,20 @@ TINY_CONFIGS = {
     ),
     "mixtral": TINY.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=48)}),
     "mixtral-top1": TINY.model_copy(update={"moe": MoEConfig(n_experts=3, top_k=1, d_ff_expert=40)}),
+    # μP's logit and attention multipliers fold into the exported weights
+    "llama-mup-tied": TINY.model_copy(
+        update={"tie_embeddings": True, "mup": MuPConfig(base_width=16, output_mult=2.0, attn_mult=3.0)}
+    ),
+    "mixtral-mup": TINY.model_copy(
+        update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=48), "mup": MuPConfig(base_width=32)}
+    ),
 }
 
 
 def paired(cfg: ModelConfig, seed: int = 5) -> tuple[Transformer, torch.nn.Module]:
     ours = Transformer(cfg, seed=seed).eval()
     theirs = build_hf_model(cfg).eval()
-    theirs.load_state_dict(to_hf_state_dict(ours.state_dict()), strict=True)
+    theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), ours.cfg), strict=True)
     return ours, theirs
 
 
@@ -91,8 +98,10 @@ def test_mixtral_active_parameters_are_the_published_12_9b() -> None:
 
 
 def test_round_trip_through_hf_config() -> None:
-    """Ours -> HF config -> ours is the identity, except what Mixtral cannot hold (dense d_ff, z-loss)."""
+    """Ours -> HF config -> ours is the identity, except what Mixtral cannot hold (dense d_ff, z-loss) and μP
+    (folded into the exported weights, so the export is a standard model)."""
     for cfg in TINY_CONFIGS.values():
+        cfg = cfg.model_copy(update={"mup": None})
         model_type, kwargs = hf_config_kwargs(cfg)
         again = model_config_from_hf({"model_type": model_type, **kwargs})
         if cfg.moe is None:
@@ -116,3 +125,25 @@ def test_unsupported_hf_model_type(tmp_path: Path) -> None:
     path.write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
         load_hf_config(tmp_path)
+
+
+def test_mup_lora_adapter_loads_on_the_folded_export(tmp_path: Path) -> None:
+    """A LoRA adapter trained on a μP model gives the same logits through PEFT on the Hugging Face export."""
+    from peft import PeftModel
+
+    from training.config import LoraSettings
+    from training.hf_interop import query_fold
+    from training.lora import apply_lora, save_adapter
+
+    cfg = TINY_CONFIGS["llama-mup-tied"]
+    ours, theirs = paired(cfg, seed=3)
+    tuned = apply_lora(ours, LoraSettings(r=4, alpha=8))
+    with torch.no_grad():
+        for name, param in tuned.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    save_adapter(tuned, tmp_path / "adapter", None, query_fold(cfg))
+    loaded = PeftModel.from_pretrained(theirs, str(tmp_path / "adapter")).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(tuned.eval()(tokens).logits, loaded(tokens).logits, rtol=0, atol=1e-5)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from data_pipeline.loader import Batch
 from training.config import OptimConfig, ParallelConfig, TrainConfig
 from training.model import ModelOutput, Transformer
-from training.optim import BuiltByDeepSpeed, build_optimizer, param_groups
+from training.optim import BuiltByDeepSpeed, build_optimizer, param_groups, set_lr
 from training.parallel.expert_parallel import swap_in_expert_parallel
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,7 @@ class DeepSpeedEngine:
             self.ds.step()  # not a boundary: DeepSpeed only advances its micro-step counter
 
     def step(self, lr: float) -> float:
-        for group in self.ds.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.ds.optimizer, lr)
         local = _grad_norm(self.module) if self._plain_grads else float("nan")
         self.ds.step()
         self._micro = 0
@@ -119,7 +118,7 @@ def build_engine(
         swap_in_expert_parallel(model, parallel.ep_size)
     if parallel.activation_checkpointing:
         checkpoint_activations(model)
-    groups = param_groups(model, optim)
+    groups = param_groups(model, optim, model.cfg.hidden_lr_mult() if isinstance(model, Transformer) else 1.0)
     if parallel.ep_size > 1:  # expert weights are reduced within their expert-data-parallel group only
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 

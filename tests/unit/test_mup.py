@@ -1,0 +1,92 @@
+"""μP coordinate check (Yang et al. 2022, Fig. 5): after a few Adam steps at one learning rate, how far each
+layer's activations moved (their RMS change) stays flat across widths under μP and grows with width under the
+standard parametrisation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from training.config import OptimConfig
+from training.model import ModelConfig, MuPConfig, Transformer
+from training.optim import param_groups, set_lr
+
+WIDTHS = (32, 64, 128, 256)
+
+
+def activations(model: Transformer, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    hooks = [
+        layer.register_forward_hook(lambda _m, _i, o, key=f"block{j}": out.__setitem__(key, o[0].detach()))
+        for j, layer in enumerate(model.model.layers)
+    ]
+    out["logits"] = model(tokens).logits.detach()
+    for hook in hooks:
+        hook.remove()
+    return out
+
+
+def movement(width: int, mup: bool, steps: int = 4, lr: float = 1e-2) -> dict[str, float]:
+    """RMS change of each block's output and of the logits after `steps` AdamW steps on a fixed batch."""
+    cfg = ModelConfig(
+        vocab_size=128,
+        d_model=width,
+        n_layers=2,
+        n_heads=width // 16,
+        n_kv_heads=width // 16,
+        d_ff=width * 8 // 3 // 16 * 16,
+        max_seq_len=64,
+        mup=MuPConfig(base_width=WIDTHS[0]) if mup else None,
+    )
+    model = Transformer(cfg, seed=0)
+    optimizer = torch.optim.AdamW(param_groups(model, OptimConfig(weight_decay=0.0), cfg.hidden_lr_mult()))
+    tokens = torch.randint(0, cfg.vocab_size, (8, 33), generator=torch.Generator().manual_seed(1))
+    before = activations(model, tokens[:, :-1])
+    for _ in range(steps):
+        set_lr(optimizer, lr)
+        model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = activations(model, tokens[:, :-1])
+    return {k: float((after[k] - before[k]).pow(2).mean().sqrt()) for k in after}
+
+
+def slopes(mup: bool) -> dict[str, float]:
+    """Per layer, the slope of log RMS change against log width."""
+    runs = [movement(w, mup) for w in WIDTHS]
+    return {k: float(np.polyfit(np.log(WIDTHS), np.log([r[k] for r in runs]), 1)[0]) for k in runs[0]}
+
+
+@pytest.mark.parametrize(("mup", "flat"), [(True, True), (False, False)])
+def test_coordinate_check(mup: bool, flat: bool) -> None:
+    measured = slopes(mup)
+    if flat:  # μP: every layer moves the same amount at every width (8x wider changes it by < 1.7x)
+        assert all(abs(s) < 0.25 for s in measured.values()), measured
+    else:  # standard: the blocks' updates blow up with width
+        assert all(measured[k] > 1.0 for k in ("block0", "block1")), measured
+
+
+def test_mup_is_standard_at_base_width() -> None:
+    """At m = 1 μP changes nothing but the attention scale (attn_mult / head_dim)."""
+    base = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=96, max_seq_len=32)
+    head_dim = base.head_dim
+    mup = base.model_copy(update={"mup": MuPConfig(base_width=32, attn_mult=head_dim**0.5)})
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    a, b = Transformer(base, seed=2), Transformer(mup, seed=2)
+    torch.testing.assert_close(a(tokens).logits, b(tokens).logits, rtol=0, atol=1e-6)
+
+
+def test_mup_learning_rates_by_group() -> None:
+    """Hidden matrices train at lr / m; the readout, embedding and norms at lr."""
+    cfg = ModelConfig(
+        vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=192, mup=MuPConfig(base_width=16)
+    )
+    model = Transformer(cfg, seed=None)
+    optimizer = torch.optim.AdamW(param_groups(model, OptimConfig(), cfg.hidden_lr_mult()))
+    set_lr(optimizer, 1e-2)
+    lrs = {g["name"]: g["lr"] for g in optimizer.param_groups}
+    assert lrs == pytest.approx({"hidden": 2.5e-3, "decay": 1e-2, "no_decay": 1e-2})
+    hidden = {id(p) for p in optimizer.param_groups[0]["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in hidden}
+    assert names == {n for n, p in model.named_parameters() if n.startswith("model.layers.") and p.ndim == 2}
