@@ -86,6 +86,8 @@ class TrainConfig(BaseModel):
     # sequences per optimiser step over all ranks and accumulation steps; None: micro_batch_size x world size
     global_batch_size: PositiveInt | None = None
     max_steps: PositiveInt = 100
+    # shorter horizons a WSD run also decays to, each in a branch from its stable phase (multi-horizon runs)
+    horizons: tuple[PositiveInt, ...] = ()
     eval_every: PositiveInt = 50
     eval_batches: PositiveInt = 8
     checkpoint_every: PositiveInt = 50
@@ -172,6 +174,20 @@ def check_batch(train: TrainConfig, parallel: ParallelConfig, prefix: str = "tra
         )
 
 
+def check_horizons(train: TrainConfig, optim: OptimConfig) -> None:
+    """Multi-horizon runs decay WSD branches: every horizon is shorter than the run."""
+    if not train.horizons:
+        return
+    if optim.schedule != "wsd":
+        raise ValueError(
+            f"train.horizons needs optim.schedule=wsd (decay branches from a stable phase), not {optim.schedule}"
+        )
+    if max(train.horizons) >= train.max_steps:
+        raise ValueError(
+            f"train.horizons={list(train.horizons)} must all be below train.max_steps={train.max_steps}"
+        )
+
+
 def check_context(train: TrainConfig, max_seq_len: int, prefix: str = "train") -> None:
     """Training windows must fit the model's context."""
     if train.seq_len > max_seq_len:
@@ -202,4 +218,5 @@ class TrainingSpec(BaseModel):
     @model_validator(mode="after")
     def _check_batch(self) -> TrainingSpec:
         check_batch(self.train, self.parallel)
+        check_horizons(self.train, self.optim)
         return self

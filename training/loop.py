@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -70,6 +71,7 @@ class LoopSetup:
     peak_flops: float  # per device
     meta: dict[str, Any]  # written into every checkpoint (config digest, MLflow run id, ...)
     progress: Callable[[int, float, float], None] | None = None  # (step, loss, tokens/s), rank 0
+    probe: Callable[[torch.nn.Module], dict[str, float]] | None = None  # extra metrics at each final evaluation
 
 
 def all_reduce_sum(value: Tensor) -> Tensor:
@@ -117,6 +119,56 @@ def evaluate(engine: Engine, batches: Iterator[Batch], objective: Objective) -> 
     return float(total[0] / total[1]) if total[1] else float("nan")
 
 
+@dataclass
+class StepOutcome:
+    """One optimiser step: its global mean loss (None when skipped), gradient norm and extra metrics."""
+
+    loss: float | None
+    grad_norm: float
+    metrics: dict[str, float]
+
+
+def optimizer_step(engine: Engine, train: Batches, objective: Objective, lr: float, world_size: int) -> StepOutcome:
+    """Draw `accumulation_steps` micro-batches, back-propagate each at its share of the global units, step."""
+    accumulation = engine.accumulation_steps
+    micro_batches = [train.next_batch() for _ in range(accumulation)]
+    counts = [objective.units(batch) for batch in micro_batches]
+    n_global = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.float64, device=engine.device)))
+    losses, bad = [], False
+    stats: list[RouterStats] = []
+    extra: dict[str, list[Tensor]] = {}
+    for batch, n in zip(micro_batches, counts, strict=True):
+        outcome = objective(engine, batch)
+        weight = loss_scale(n, n_global, accumulation, world_size) if n else 0.0
+        weighted = outcome.loss * weight if n else zero_loss(engine.module)
+        loss = weighted + outcome.aux_loss
+        finite = all_reduce_mean(torch.isfinite(loss.detach()).float().to(engine.device)) == 1.0
+        if finite:
+            engine.backward(loss)
+            losses.append(weighted.detach().float())
+            stats = outcome.router_stats
+            for name, value in outcome.metrics.items():
+                extra.setdefault(name, []).append(value.detach().float())
+        else:
+            bad = True
+            engine.backward(zero_loss(engine.module))
+    # the step happens either way (ranks stay in lockstep); at learning rate 0 it moves no weight
+    grad_norm = engine.step(0.0 if bad else lr)
+    if bad:
+        return StepOutcome(None, grad_norm, {})
+    metrics = {
+        **router_metrics(stats),
+        **{name: float(all_reduce_mean(torch.stack(values).mean())) for name, values in extra.items()},
+    }
+    loss = float(all_reduce_mean(torch.stack(losses).mean())) if losses else float("nan")
+    return StepOutcome(loss, grad_norm, metrics)
+
+
+def decay_start(horizon: int, optim: OptimConfig) -> int:
+    """The step at which a WSD run of `horizon` steps leaves its stable phase."""
+    return horizon - max(1, round(optim.decay_fraction * horizon))
+
+
 def train_loop(
     engine: Engine,
     train: Batches,
@@ -128,12 +180,14 @@ def train_loop(
     state: LoopState,
     objective: Objective | None = None,
 ) -> LoopState:
-    """Run optimiser steps from `state.step` to `cfg.max_steps`; checkpoints land in `<run_dir>/checkpoints`."""
+    """Run optimiser steps from `state.step` to `cfg.max_steps`; checkpoints land in `<run_dir>/checkpoints`.
+    With `cfg.horizons` (WSD only) the run also decays a branch to each shorter horizon (see `decay_branch`)."""
     objective = objective or TokenCrossEntropy()
-    accumulation = engine.accumulation_steps
     tokens_per_step = cfg.global_batch(setup.world_size) * cfg.seq_len
     metrics_file = setup.run_dir / "metrics.jsonl"
     checkpoints = setup.run_dir / "checkpoints"
+    branches = {decay_start(h, optim): h for h in cfg.horizons if h < cfg.max_steps}
+    done = {int(m["horizon/steps"]) for m in read_jsonl(metrics_file) if "horizon/steps" in m}
 
     def log(metrics: dict[str, float], step: int) -> None:
         if setup.rank == 0:
@@ -141,43 +195,35 @@ def train_loop(
             with metrics_file.open("a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
 
+    def evaluation() -> dict[str, float]:
+        metrics = {"val/loss": evaluate(engine, val(), objective)} if val is not None else {}
+        if setup.probe is not None:
+            engine.train(False)
+            metrics |= setup.probe(engine.module)
+            engine.train(True)
+        return metrics
+
     while state.step < cfg.max_steps:
         # --- eval
         if val is not None and state.step % cfg.eval_every == 0:
             log({"val/loss": evaluate(engine, val(), objective)}, state.step)
 
+        # --- a decay branch to a shorter horizon, from the stable phase
+        horizon = branches.get(state.step)
+        if horizon is not None and horizon not in done:
+            metrics = decay_branch(engine, train, objective, optim, setup, state.step, horizon, evaluation)
+            log({**metrics, "horizon/steps": horizon, "horizon/tokens": horizon * tokens_per_step}, horizon)
+
         # --- step
         started = time.perf_counter()
         lr = lr_at(state.step, optim, cfg.max_steps)
-        micro_batches = [train.next_batch() for _ in range(accumulation)]
-        counts = [objective.units(batch) for batch in micro_batches]
-        n_global = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.float64, device=engine.device)))
-        losses, bad = [], False
-        stats: list[RouterStats] = []
-        extra: dict[str, list[Tensor]] = {}
-        for batch, n in zip(micro_batches, counts, strict=True):
-            outcome = objective(engine, batch)
-            weight = loss_scale(n, n_global, accumulation, setup.world_size) if n else 0.0
-            weighted = outcome.loss * weight if n else zero_loss(engine.module)
-            loss = weighted + outcome.aux_loss
-            finite = all_reduce_mean(torch.isfinite(loss.detach()).float().to(engine.device)) == 1.0
-            if finite:
-                engine.backward(loss)
-                losses.append(weighted.detach().float())
-                stats = outcome.router_stats
-                for name, value in outcome.metrics.items():
-                    extra.setdefault(name, []).append(value.detach().float())
-            else:
-                bad = True
-                engine.backward(zero_loss(engine.module))
-        # the step happens either way (ranks stay in lockstep); at learning rate 0 it moves no weight
-        grad_norm = engine.step(0.0 if bad else lr)
+        outcome = optimizer_step(engine, train, objective, lr, setup.world_size)
         state.step += 1
         state.tokens += tokens_per_step
         elapsed = time.perf_counter() - started
 
         # --- log
-        if bad:
+        if outcome.loss is None:
             state.skipped_steps += 1
             state.consecutive_bad += 1
             log({"train/skipped_steps": state.skipped_steps}, state.step)
@@ -188,36 +234,76 @@ def train_loop(
                 )
         else:
             state.consecutive_bad = 0
-            if not torch.isfinite(torch.tensor(grad_norm)):
-                raise TrainingHalted(
-                    f"non-finite gradient norm at step {state.step}: the weights are no longer usable; resume from "
-                    f"{ckpt.latest_checkpoint(checkpoints)} with a lower optim.lr or a smaller optim.grad_clip"
-                )
-            loss = float(all_reduce_mean(torch.stack(losses).mean())) if losses else float("nan")
+            check_grad_norm(outcome.grad_norm, state.step, checkpoints)
             tokens_per_s = tokens_per_step / elapsed
             metrics = {
-                "train/loss": loss,
+                "train/loss": outcome.loss,
                 "train/lr": lr,
-                "train/grad_norm": grad_norm,
+                "train/grad_norm": outcome.grad_norm,
                 "perf/tokens_per_s": tokens_per_s,
                 "perf/mfu": setup.flops_per_token * tokens_per_s / (setup.peak_flops * setup.world_size),
                 "train/tokens": float(state.tokens),
-                **router_metrics(stats),
-                **{
-                    name: float(all_reduce_mean(torch.stack(values).mean())) for name, values in extra.items()
-                },
+                **outcome.metrics,
             }
             log(metrics, state.step)
             if setup.progress is not None and setup.rank == 0:
-                setup.progress(state.step, loss, tokens_per_s)
+                setup.progress(state.step, outcome.loss, tokens_per_s)
 
         # --- checkpoint
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps:
             save_checkpoint(engine, train, setup, state, cfg.keep_checkpoints)
 
-    if val is not None:
-        log({"val/loss": evaluate(engine, val(), objective)}, state.step)
+    final = evaluation()
+    if final:
+        log(final, state.step)
     return state
+
+
+def check_grad_norm(grad_norm: float, step: int, checkpoints: Path) -> None:
+    if not torch.isfinite(torch.tensor(grad_norm)):
+        raise TrainingHalted(
+            f"non-finite gradient norm at step {step}: the weights are no longer usable; resume from "
+            f"{ckpt.latest_checkpoint(checkpoints)} with a lower optim.lr or a smaller optim.grad_clip"
+        )
+
+
+def decay_branch(
+    engine: Engine,
+    train: Batches,
+    objective: Objective,
+    optim: OptimConfig,
+    setup: LoopSetup,
+    start: int,
+    horizon: int,
+    evaluation: Callable[[], dict[str, float]],
+) -> dict[str, float]:
+    """Multi-horizon WSD (as OLMo-core's and Marin's ladders): from the stable phase at `start`, decay to
+    `horizon` as a run of that length would, evaluate, then restore the stable state (weights, optimiser,
+    loader position, RNG) from a snapshot and carry on. One run yields one (N, D) point per horizon."""
+    snapshot = setup.run_dir / "branch"
+    if setup.rank == 0:
+        ckpt.prepare_staging(snapshot, start)
+    barrier()
+    staging = ckpt.staging_dir(snapshot, start)
+    engine.save(staging)
+    ckpt.save_rank_state(staging, setup.rank, train.state_dict())
+    for step in range(start, horizon):  # a non-finite step here is skipped (lr 0) like any other
+        outcome = optimizer_step(engine, train, objective, lr_at(step, optim, horizon), setup.world_size)
+        if outcome.loss is not None:
+            check_grad_norm(outcome.grad_norm, step + 1, setup.run_dir / "checkpoints")
+    metrics = {f"horizon/{k.replace('/', '_')}": v for k, v in evaluation().items()}
+    engine.load(staging)
+    rank_state = ckpt.load_rank_state(staging, setup.rank)
+    ckpt.set_rng_state(rank_state["rng"])
+    train.load_state_dict(rank_state["loader"])
+    barrier()
+    if setup.rank == 0:
+        shutil.rmtree(snapshot, ignore_errors=True)
+    return metrics
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
 
 
 def barrier() -> None:

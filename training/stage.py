@@ -31,7 +31,7 @@ from training import checkpoint as ckpt
 from training.accounting import flops_per_token
 from training.config import TrainConfig, TrainingSpec
 from training.launch import run_stage_workers
-from training.loop import Batches, LoopSetup, resume, train_loop
+from training.loop import Batches, LoopSetup, read_jsonl, resume, train_loop
 from training.model import ModelConfig
 from training.objective import Objective, TokenCrossEntropy
 from training.perf import measure_matmul_peak, published_peak
@@ -244,8 +244,7 @@ def peak_flops_for(
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
     """Every record of the run's metrics.jsonl, in logging order (a resumed run re-logs the steps it redoes)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 def val_losses(run_dir: str | Path) -> list[float]:

@@ -122,3 +122,41 @@ def test_a_stage_objective_replaces_the_loss_and_adds_metrics(tmp_path: Path) ->
         ).mean()
     assert record["train/loss"] == pytest.approx(float(expected), rel=1e-6)  # 4 sequences, equal weights
     assert "seq/max_loss" in record
+
+
+def random_batches(n: int) -> list[Batch]:
+    generator = torch.Generator().manual_seed(3)
+    return [
+        Batch(torch.randint(0, 64, (2, 8), generator=generator), torch.randint(0, 64, (2, 8), generator=generator))
+        for _ in range(n)
+    ]
+
+
+def wsd_run(tmp_path: Path, max_steps: int, horizons: tuple[int, ...] = ()) -> tuple[dict, list[dict]]:
+    """Weights and metrics records of an AdamW WSD run on fixed batches, validated on the first batch."""
+    from training.loop import read_jsonl
+
+    tmp_path.mkdir()
+    model = Transformer(CFG, seed=1)
+    optim = OptimConfig(lr=1e-2, warmup_steps=2, schedule="wsd", decay_fraction=0.25)
+    engine = PlainEngine(model, torch.optim.AdamW(model.parameters(), lr=optim.lr), 1, grad_clip=1.0)
+    train = TrainConfig(seq_len=8, micro_batch_size=2, max_steps=max_steps, eval_every=100, horizons=horizons)
+    setup = LoopSetup(run_dir=tmp_path, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
+    batches = random_batches(max_steps + 10)
+    train_loop(engine, Fixed(batches), lambda: iter(batches[:1]), train, optim, setup, NullTracker(), LoopState())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, read_jsonl(tmp_path / "metrics.jsonl")
+
+
+def test_decay_branches_match_separate_runs_and_leave_the_main_run_unchanged(tmp_path: Path) -> None:
+    """A 16-step run with horizons 8 and 12: each branch's loss equals a separate 8- or 12-step run's final loss,
+    and the 16-step run's weights are bit-identical to a run without branches."""
+    main, records = wsd_run(tmp_path / "multi", 16, horizons=(8, 12))
+    plain, _ = wsd_run(tmp_path / "plain", 16)
+    for name in main:
+        assert torch.equal(main[name], plain[name]), name
+    branches = {int(r["horizon/steps"]): r["horizon/val_loss"] for r in records if "horizon/steps" in r}
+    assert sorted(branches) == [8, 12]
+    for horizon, loss in branches.items():
+        _, alone = wsd_run(tmp_path / f"alone-{horizon}", horizon)
+        assert loss == pytest.approx([r["val/loss"] for r in alone if "val/loss" in r][-1], rel=1e-6)
+    assert not (tmp_path / "multi" / "branch").exists()
