@@ -10,6 +10,7 @@ same way) holding its sha256 and the documents it covers; a shard without a vali
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -222,3 +223,16 @@ class ShardReader:
 
     def document_lengths(self) -> np.ndarray:
         return np.concatenate([np.diff(np.concatenate([[0], ends])) for ends in self.documents])
+
+
+def training_documents(manifest: DatasetManifest, split: str = "train") -> Iterator[str]:
+    """The split's documents decoded back to text, in shard order (for contamination checks)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(manifest.tokenizer.path) / "tokenizer.json"))
+    reader = ShardReader(manifest, split)
+    for array, ends in zip(reader.arrays, reader.documents, strict=True):
+        starts = np.concatenate([[0], ends[:-1]])
+        docs = [array[a:b].tolist() for a, b in zip(starts, ends, strict=True)]
+        for i in range(0, len(docs), 256):
+            yield from tokenizer.decode_batch(docs[i : i + 256], skip_special_tokens=True)

@@ -17,37 +17,108 @@ from evaluation.isoflop import IsoFlopFit  # noqa: E402
 from evaluation.scaling_data import ScalingPoints  # noqa: E402
 
 
-def write_plots(
-    points: ScalingPoints, law: Law, iso: IsoFlopFit | None, optimal: Any, out: Path
-) -> list[Path]:
-    paths = [out / "isoflop.png", out / "contours.png", out / "residuals.png"]
-    _isoflop(points, law, iso, paths[0])
-    _contours(points, law, iso, optimal, paths[1])
+def write_plots(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, fit: Any, out: Path) -> list[Path]:
+    """isoflop.png, contours.png, residuals.png and prediction.png for a `ScalingFit`."""
+    paths = [out / "isoflop.png", out / "contours.png", out / "residuals.png", out / "prediction.png"]
+    _isoflop(points, law, iso, fit, paths[0])
+    _contours(points, law, iso, fit.optimal, paths[1])
     _residuals(points, law, paths[2])
+    _prediction(fit, paths[3])
     return paths
 
 
-def _isoflop(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+def _isoflop(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, fit: Any, path: Path) -> None:
+    """Per budget (one colour): the runs, Approach 2's parabola and its minimum, Approach 3's curve (dotted);
+    the compute-optimal frontier; the rung's predicted and measured loss."""
+    fig, ax = plt.subplots(figsize=(8, 5))
     labels = points.budgets()
     budgets = np.unique(labels)
     colours = plt.cm.viridis(np.linspace(0, 0.9, len(budgets)))
+    parabolas = {round(p.budget / b, 6): p for p in (iso.parabolas if iso else []) for b in [p.budget]}
     for budget, colour in zip(budgets, colours, strict=True):
         group = labels == budget
-        ax.scatter(points.n[group], points.loss[group], s=12, color=colour)
-        n = np.geomspace(points.n[group].min() / 1.5, points.n[group].max() * 1.5, 100)
+        ax.scatter(points.n[group], points.loss[group], s=18, color=colour, label=f"C = {budget:.2g} FLOPs")
+        n = np.geomspace(points.n[group].min() / 1.3, points.n[group].max() * 1.3, 100)
         ax.plot(n, law.loss(n, budget / (6 * n)), color=colour, lw=0.8, ls=":")
-    for p in iso.parabolas if iso else []:
-        group = np.isclose(labels, p.budget)
-        n = np.geomspace(points.n[group].min(), points.n[group].max(), 100)
-        ax.plot(n, p.loss(n), color="k", lw=1)
-        ax.plot(p.n_opt, p.loss_opt, "k*", ms=8)
+        parabola = next((p for p in parabolas.values() if np.isclose(p.budget, budget, rtol=1e-6)), None)
+        if parabola is not None:
+            ax.plot(n, parabola.loss(n), color=colour, lw=1.3)
+            ax.plot(parabola.n_opt, parabola.loss_opt, "*", color=colour, ms=12, mec="k", mew=0.5)
+    c = np.geomspace(budgets.min(), max(budgets.max(), fit.optimal.budget), 50)
+    n_star = law.optimal_n(c)
+    ax.plot(
+        n_star, law.loss(n_star, c / (6 * n_star)), "k--", lw=1, label="compute-optimal frontier (Approach 3)"
+    )
+    rung = fit.rung
+    if rung is not None:
+        lo, hi = rung.interval
+        ax.errorbar(
+            rung.n,
+            rung.loss,
+            yerr=[[rung.loss - lo], [hi - rung.loss]],
+            fmt="o",
+            mfc="none",
+            color="red",
+            capsize=4,
+            label=f"rung at C = {fit.optimal.budget:.2g}: predicted (95%)",
+        )
+        if rung.measured_loss is not None:
+            ax.plot(rung.n, rung.measured_loss, "rx", ms=10, mew=2, label="rung: measured")
     ax.set(
         xscale="log",
-        xlabel="parameters N",
-        ylabel="final loss",
-        title="IsoFLOP runs: Approach 3 (dotted), parabolas (black)",
+        xlabel="parameters N (" + fit.param_count + ")",
+        ylabel="final validation loss (nats/token)",
+        title="IsoFLOP runs: parabolas (solid, ★ = N_opt), Approach 3 (dotted)",
     )
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _prediction(fit: Any, path: Path) -> None:
+    """Predicted against measured loss: the held-out largest budget(s) (law fitted without them) and the rung."""
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    shown: list[float] = []
+    holdout = (fit.holdout or {}).get("points", [])
+    if holdout:
+        measured = np.array([p["measured"] for p in holdout])
+        predicted = np.array([p["predicted"] for p in holdout])
+        bounds = np.array([p["interval"] for p in holdout])
+        err = np.abs(np.stack([predicted - bounds[:, 0], bounds[:, 1] - predicted]))
+        ax.errorbar(
+            measured,
+            predicted,
+            yerr=err,
+            fmt="o",
+            color="tab:blue",
+            capsize=3,
+            label=f"held-out budget C ≥ {fit.holdout['min_budget']:.2g}",
+        )
+        shown += [*measured, *bounds.ravel()]
+    rung = fit.rung
+    if rung is not None and rung.measured_loss is not None:
+        err = [[rung.loss - rung.interval[0]], [rung.interval[1] - rung.loss]]
+        ax.errorbar(
+            rung.measured_loss,
+            rung.loss,
+            yerr=err,
+            fmt="s",
+            color="red",
+            capsize=4,
+            label=f"rung at C = {fit.optimal.budget:.2g} (error {rung.rel_error:.1%})",
+        )
+        shown += [rung.measured_loss, *rung.interval]
+    if shown:
+        lo, hi = min(shown), max(shown)
+        pad = 0.05 * (hi - lo or 1.0)
+        ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], "k-", lw=0.8, label="predicted = measured")
+    ax.set(
+        xlabel="measured loss (nats/token)",
+        ylabel="predicted loss (nats/token), 95% interval",
+        title="Scaling-law predictions",
+    )
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -17,7 +17,10 @@ from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points
 from infra.storage import atomic_write_json
 
 FIT_FILE = "fit.json"
-PLOTS = ("isoflop.png", "contours.png", "residuals.png")
+BOOTSTRAP_FILE = "bootstrap.npz"  # the resampled laws, for intervals on later predictions
+PLOTS = ("isoflop.png", "contours.png", "residuals.png", "prediction.png")
+LAW_KEYS = ("E", "A", "B", "alpha", "beta")
+RUNG_TOLERANCE = 0.03  # a prediction holds when the measurement is inside its 95% interval and this close
 
 
 class ComputeOptimal(BaseModel):
@@ -29,6 +32,41 @@ class ComputeOptimal(BaseModel):
     loss_interval: tuple[float, float]
     n_opt_interval: tuple[float, float]
     n_total_opt: float  # for MoE: total parameters at the optimal active size (median total/active ratio)
+
+
+class Prediction(BaseModel):
+    """The law's loss at one (N, D) with a 95% bootstrap interval, made before the run; then, once it has
+    trained, the measured loss and whether the prediction held (inside the interval and within 3%)."""
+
+    n: float
+    d: float
+    loss: float
+    interval: tuple[float, float]
+    task_loss: float | None = None  # the downstream probe's law, when the sweep measured one
+    task_interval: tuple[float, float] | None = None
+    measured_loss: float | None = None
+    measured_task_loss: float | None = None
+    rel_error: float | None = None
+    task_rel_error: float | None = None
+    inside_interval: bool | None = None
+    held: bool | None = None
+
+    def check(self, loss: float, task_loss: float | None) -> Prediction:
+        rel = abs(loss - self.loss) / loss
+        inside = self.interval[0] <= loss <= self.interval[1]
+        task_rel = (
+            abs(task_loss - self.task_loss) / task_loss if task_loss is not None and self.task_loss else None
+        )
+        return self.model_copy(
+            update={
+                "measured_loss": loss,
+                "measured_task_loss": task_loss,
+                "rel_error": rel,
+                "task_rel_error": task_rel,
+                "inside_interval": inside,
+                "held": inside and rel <= RUNG_TOLERANCE,
+            }
+        )
 
 
 class ScalingFit(BaseModel):
@@ -49,13 +87,35 @@ class ScalingFit(BaseModel):
     optimal: ComputeOptimal
     holdout: dict[str, Any] | None
     moe: bool
+    param_count: str = "matmul"  # what N counts: every matmul per token (head included) or non-embedding
+    approach2_n_opt: float | None = None  # Approach 2's N_opt(C) at the target budget
+    task_law: dict[str, float] | None = None  # the downstream probe's L(N, D), when measured
+    task_intervals: dict[str, tuple[float, float]] | None = None
+    contamination: dict[str, Any] | None = None
+    rung: Prediction | None = None  # the model trained at the target budget: predicted, then measured
 
     @classmethod
     def load(cls, out_dir: str | Path) -> ScalingFit:
         return cls.model_validate_json((Path(out_dir) / FIT_FILE).read_text())
 
     def to_law(self) -> Law:
-        return Law(**{k: self.law[k] for k in ("E", "A", "B", "alpha", "beta")})
+        return Law(**{k: self.law[k] for k in LAW_KEYS})
+
+    def save(self, out_dir: str | Path) -> None:
+        atomic_write_json(Path(out_dir) / FIT_FILE, self.model_dump(mode="json"))
+
+
+def predict(
+    law: Law, samples: dict[str, np.ndarray], n: float, d: float
+) -> tuple[float, tuple[float, float]]:
+    """The law's loss at (N, D) and the 95% interval over the bootstrap laws."""
+    boot = Law(**{k: samples[k] for k in LAW_KEYS}).loss(n, d)
+    return float(law.loss(n, d)), tuple(float(v) for v in np.nanpercentile(boot, [2.5, 97.5]))
+
+
+def load_samples(out_dir: str | Path, name: str = BOOTSTRAP_FILE) -> dict[str, np.ndarray]:
+    with np.load(Path(out_dir) / name) as data:
+        return {k: data[k] for k in data.files}
 
 
 def compute_optimal(
@@ -79,7 +139,9 @@ def compute_optimal(
     )
 
 
-def holdout_check(points: ScalingPoints, starts: np.ndarray | None) -> dict[str, Any] | None:
+def holdout_check(
+    points: ScalingPoints, starts: np.ndarray | None, n_bootstrap: int = 500
+) -> dict[str, Any] | None:
     """Fit on all runs but those of the largest budget(s) and report the relative error predicting them.
 
     The held-out set is the largest budget, widened to the next budgets down until it holds at least
@@ -99,13 +161,28 @@ def holdout_check(points: ScalingPoints, starts: np.ndarray | None) -> dict[str,
         law = fit_law(train, starts=starts).law
     except ScalingDataError as err:
         return {"skipped": str(err)}
-    rel = np.abs(law.loss(test.n, test.d) - test.loss) / test.loss
+    predicted = law.loss(test.n, test.d)
+    rel = np.abs(predicted - test.loss) / test.loss
+    samples = bootstrap(train, law, n_resamples=n_bootstrap).samples
+    boot = Law(**{k: samples[k][:, None] for k in LAW_KEYS}).loss(test.n[None], test.d[None])
+    lo, hi = np.nanpercentile(boot, [2.5, 97.5], axis=0)
     return {
         "min_budget": float(budgets[k - 1]),
         "n_train": len(train),
         "n_test": len(test),
         "mean_rel_error": float(rel.mean()),
         "max_rel_error": float(rel.max()),
+        "inside_interval": float(np.mean((lo <= test.loss) & (test.loss <= hi))),
+        "points": [
+            {
+                "n": float(n),
+                "d": float(d),
+                "measured": float(m),
+                "predicted": float(p),
+                "interval": [float(a), float(b)],
+            }
+            for n, d, m, p, a, b in zip(test.n, test.d, test.loss, predicted, lo, hi, strict=True)
+        ],
         "law": law.as_dict(),
     }
 
@@ -129,8 +206,11 @@ def run_fit_scaling(
     drop_highest: int = 0,
     starts: np.ndarray | None = None,
     plots: bool = True,
+    param_count: str = "matmul",
+    write: bool = True,
 ) -> ScalingFit:
-    """Fit a results table (Parquet/CSV path or points) and write fit.json and the plots into `out_dir`."""
+    """Fit a results table (Parquet/CSV path or points) and write fit.json, the bootstrap laws and the plots
+    into `out_dir` (with `write=False` the caller adds to the fit and saves it)."""
     points = table if isinstance(table, ScalingPoints) else load_points(table, drop_highest)
     t0 = time.perf_counter()
     result = fit_law(points, starts=starts)
@@ -157,15 +237,28 @@ def run_fit_scaling(
         optimal=compute_optimal(points, result.law, boot.samples, budget),
         holdout=holdout_check(points, starts),
         moe=bool(np.any(points.n_total > points.n * 1.0001)),
+        param_count=param_count,
+        approach2_n_opt=float(iso.n_opt(budget)) if iso and iso.n_opt else None,
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / BOOTSTRAP_FILE, **boot.samples)
     if plots:
-        from evaluation.scaling_plots import write_plots
-
-        write_plots(points, result.law, iso, fit.optimal, out)
-    atomic_write_json(out / FIT_FILE, fit.model_dump(mode="json"))
+        write_fit_plots(fit, points, out)
+    if write:
+        fit.save(out)
     return fit
+
+
+def write_fit_plots(fit: ScalingFit, points: ScalingPoints, out: Path) -> None:
+    """The four PNGs from a fit (rewritten when the rung's measurement arrives)."""
+    from evaluation.scaling_plots import write_plots
+
+    try:
+        iso = fit_parabolas(points)
+    except ScalingDataError:
+        iso = None
+    write_plots(points, fit.to_law(), iso, fit, out)
 
 
 def headline(fit: ScalingFit) -> str:

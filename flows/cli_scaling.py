@@ -15,7 +15,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Tokenize (cached), run the recipe's sweep as Ray Tune trials with live progress, then fit the results."""
     from evaluation.scaling_report import headline
     from flows.cli import bar_runner
-    from flows.stages import fit, swept
+    from flows.stages import fit, swept, tokens
     from training.sweep import plan_trials
 
     recipe = load_recipe(args.recipe, args.set)
@@ -30,8 +30,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             f"overhead  Tune wall {result.wall_seconds:.1f} s / trials {result.trial_seconds:.1f} s = {result.overhead:.3f}"
         )
     print(f"mlflow    run {result.mlflow_run_id}")
-    if result.n_completed >= 6 and not args.no_fit:
-        law = fit(recipe, result)
+    print(
+        f"points    {result.n_points} (N, D) points from {result.n_completed} runs; points per FLOP "
+        f"{result.points_per_flop_gain:.2f}x a one-run-per-point design"
+    )
+    for warning in result.warnings:
+        print(f"warning   {warning}", file=sys.stderr)
+    if result.n_points >= 6 and not args.no_fit:
+        with bar_runner() as run:
+            law = fit(recipe, result, run("tokenize", tokens, recipe))
         print(headline(law))
         print(f"fit       {Path(result.path) / 'fit'}")
     return 0

@@ -149,7 +149,8 @@ def sweep_flow(params: RecipeParams) -> str:
 @flow(name="fit_scaling")
 def fit_scaling_flow(params: RecipeParams) -> dict[str, float]:
     recipe, runner = params.load(), PrefectRunner()
-    return runner("fit", stages.fit, recipe, stages.swept(recipe, runner)).law
+    data = runner("tokenize", stages.tokens, recipe)
+    return runner("fit", stages.fit, recipe, stages.swept(recipe, runner), data).law
 
 
 @flow(name="pretrain")

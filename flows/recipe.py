@@ -96,6 +96,7 @@ class Recipe(BaseModel):
             train=self.train,
             parallel=self.parallel,
             tracking=self.tracking,
+            probe=self.sweep.probe,  # the sweep's downstream probe, so the rung is measured like every point
         )
 
     def sft_spec(self) -> SFTSpec:

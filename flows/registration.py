@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from evaluation.gates import gate_results
 from evaluation.report import EvalReport
+from evaluation.scaling_report import ScalingFit
 from flows.recipe import Recipe
 from infra.registry import RegisteredVersion, register
 from training.stage import TrainedModel
 
 
 def register_final(
-    recipe: Recipe, ref: TrainedModel, report: EvalReport, base_name: str | None
+    recipe: Recipe,
+    ref: TrainedModel,
+    report: EvalReport,
+    base_name: str | None,
+    scaling: ScalingFit | None = None,
 ) -> RegisteredVersion:
-    """Gate the model on the report; register it (alias only when every gate passes)."""
+    """Gate the model on the report; register it (alias only when every gate passes), tagged with whether the
+    scaling law's prediction for its pretrained base held."""
     names = list(report.models)
     gates = gate_results(report, names[-1], base_name, ref, recipe.eval)
     name = recipe.eval.register_name or f"lmforge-{recipe.name.removesuffix('-optimal')}"
@@ -30,4 +36,17 @@ def register_final(
         gates,
         report.path,
         "\n".join(lines),
+        scaling_tags(scaling),
     )
+
+
+def scaling_tags(scaling: ScalingFit | None) -> dict[str, str]:
+    rung = scaling.rung if scaling else None
+    if rung is None or rung.measured_loss is None:
+        return {}
+    return {
+        "scaling.prediction_held": str(rung.held).lower(),
+        "scaling.predicted_loss": f"{rung.loss:.4f} [{rung.interval[0]:.4f}, {rung.interval[1]:.4f}]",
+        "scaling.measured_loss": f"{rung.measured_loss:.4f}",
+        "scaling.rel_error": f"{rung.rel_error:.4f}",
+    }

@@ -6,6 +6,7 @@ the sweep's MLflow run: fit.json, the plots and the law's numbers as metrics.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -13,23 +14,47 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from evaluation.scaling_data import ScalingPoints, points_from_table
-from evaluation.scaling_report import FIT_FILE, PLOTS, ScalingFit, run_fit_scaling
+from data_pipeline.shards import DatasetManifest
+from evaluation.chinchilla_fit import bootstrap, fit_law
+from evaluation.scaling_data import ScalingDataError, ScalingPoints, points_from_table
+from evaluation.scaling_report import (
+    FIT_FILE,
+    PLOTS,
+    Prediction,
+    ScalingFit,
+    load_samples,
+    predict,
+    run_fit_scaling,
+    write_fit_plots,
+)
 from flows.recipe import Recipe
 from infra.tracking import existing_run
+from training.stage import TrainedModel, read_metrics
 from training.sweep import SweepResult
 
 
-def sweep_points(results: str | Path) -> ScalingPoints:
-    """Completed trials of a sweep table; with a learning-rate grid, the best rate per (N, D)."""
+def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
+    """Completed points of a sweep table (`column`: the validation loss, or the probe's `task_loss`); with a
+    learning-rate grid, the best rate per (N, D). A table without one usable point says why."""
     table = pq.read_table(results)
-    rows = [r for r in table.to_pylist() if r["status"] == "completed" and r["loss"] is not None]
+    rows = table.to_pylist()
+    usable = [r for r in rows if r["status"] == "completed" and r.get(column) is not None]
+    if column == "loss" and not usable:
+        statuses = Counter(r["status"] for r in rows)
+        raise ScalingDataError(
+            f"{results}: no sweep run finished with a loss ({', '.join(f'{n} {s}' for s, n in statuses.items())}); "
+            "lower optim.lr (diverged runs) or sweep.min_steps, then rerun the sweep"
+        )
     best: dict[tuple[int, int], dict[str, Any]] = {}
-    for row in rows:
+    for row in usable:
         key = (row["N"], row["D"])
-        if key not in best or row["loss"] < best[key]["loss"]:
+        if key not in best or row[column] < best[key][column]:
             best[key] = row
     chosen = pa.Table.from_pylist(list(best.values())) if best else table.slice(0, 0)
+    if column != "loss":
+        chosen = chosen.drop_columns(["loss"]).rename_columns(
+            ["loss" if c == column else c for c in chosen.drop_columns(["loss"]).column_names]
+        )
     points = points_from_table(chosen.select(["N", "N_total", "D", "C", "loss"]), source=str(results))
     return ScalingPoints(
         points.n, points.d, points.loss, points.c, points.n_total, len(table) - len(best), points.source
@@ -41,51 +66,132 @@ def target_budget(recipe: Recipe) -> float:
     return float(recipe.sweep.target_budget or max(recipe.sweep.budgets))
 
 
-def fit_sweep(recipe: Recipe, sweep: SweepResult, n_bootstrap: int = 2000) -> ScalingFit:
-    """Fit the sweep's results (cached in `<sweep dir>/fit/`) and log the fit to the sweep's MLflow run."""
+def fit_sweep(
+    recipe: Recipe, sweep: SweepResult, data: DatasetManifest, n_bootstrap: int = 2000
+) -> ScalingFit:
+    """Fit the sweep's results (cached in `<sweep dir>/fit/`, written only once complete), size the rung and
+    predict its loss (and the probe's task loss) before it trains; log the fit to the sweep's MLflow run."""
     out = Path(sweep.sweep_dir) / "fit"
     if (out / FIT_FILE).is_file():
         return ScalingFit.load(out)
+    points = sweep_points(sweep.results)
+    budget = target_budget(recipe)
     fit = run_fit_scaling(
-        sweep_points(sweep.results), out, target_budget=target_budget(recipe), n_bootstrap=n_bootstrap
+        points,
+        out,
+        target_budget=budget,
+        n_bootstrap=n_bootstrap,
+        param_count=recipe.sweep.param_count,
+        plots=False,
+        write=False,
     )
+    rung, _ = size_for_budget(recipe, fit.optimal.n_opt, budget)
+    n, d = rung_size(rung)
+    loss, interval = predict(fit.to_law(), load_samples(out), n, d)
+    prediction = Prediction(n=n, d=d, loss=loss, interval=interval)
+    updates: dict[str, Any] = {"contamination": contamination_report(data) if recipe.sweep.probe else None}
+    task_points = sweep_points(sweep.results, "task_loss") if recipe.sweep.probe else None
+    if task_points is not None and len(task_points) > 5:
+        task = fit_law(task_points)
+        task_boot = bootstrap(task_points, task.law, n_resamples=n_bootstrap // 2)
+        task_loss, task_interval = predict(task.law, task_boot.samples, n, d)
+        prediction = prediction.model_copy(update={"task_loss": task_loss, "task_interval": task_interval})
+        updates |= {"task_law": task.law.as_dict(), "task_intervals": task_boot.intervals()}
+    fit = fit.model_copy(update={**updates, "rung": prediction})
+    write_fit_plots(fit, points, out)
+    fit.save(out)
     tracker = existing_run(recipe.tracking, recipe.output_dir, sweep.mlflow_run_id).tracker()
     tracker.log_metrics({f"fit/{k}": v for k, v in fit.law.items()}, step=0)
-    tracker.log_metrics({"fit/n_opt": fit.optimal.n_opt, "fit/d_opt": fit.optimal.d_opt}, step=0)
+    tracker.log_metrics(
+        {"fit/n_opt": fit.optimal.n_opt, "fit/d_opt": fit.optimal.d_opt, "fit/rung_predicted_loss": loss},
+        step=0,
+    )
     for name in (FIT_FILE, *PLOTS):
         tracker.log_artifact(out / name, "fit")
     return fit
 
 
-def size_for_budget(
-    recipe: Recipe, n_opt: float, budget: float, swept: tuple[float, float] | None = None, max_depth: int = 16
-) -> tuple[Recipe, str]:
-    """The recipe at the depth whose active parameter count is nearest N* (in log space), trained for
-    D = C / (6·N) tokens; returns it and a one-line explanation (which flags an N* outside the `swept` sizes)."""
-    from training.accounting import count_parameters
-    from training.sweep import sized_model
+def rung_size(recipe: Recipe) -> tuple[float, float]:
+    """(N, D) of a recipe's pretraining run under the sweep's parameter-count convention."""
+    from training.sweep import count_n
 
+    tokens = (
+        recipe.train.global_batch(recipe.parallel.world_size) * recipe.train.seq_len * recipe.train.max_steps
+    )
+    return float(count_n(recipe.model, recipe.sweep.param_count)), float(tokens)
+
+
+def check_rung(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedModel) -> ScalingFit:
+    """The rung's measured loss (and task loss) against the prediction made before it trained: rewrites fit.json
+    and the plots, and logs `fit/rung_rel_error` to the sweep's and the rung's MLflow runs."""
+    if fit.rung is None or model.final_val_loss is None:
+        return fit
+    task = [m["probe/bpb"] for m in read_metrics(model.run_dir) if "probe/bpb" in m]
+    checked = fit.model_copy(
+        update={"rung": fit.rung.check(model.final_val_loss, task[-1] if task else None)}
+    )
+    out = Path(sweep.sweep_dir) / "fit"
+    write_fit_plots(checked, sweep_points(sweep.results), out)
+    checked.save(out)
+    rung = checked.rung
+    metrics = {
+        "fit/rung_rel_error": rung.rel_error,
+        "fit/rung_measured_loss": rung.measured_loss,
+        "fit/rung_held": float(rung.held),
+    }
+    if rung.task_rel_error is not None:
+        metrics["fit/rung_task_rel_error"] = rung.task_rel_error
+    for run_id in (sweep.mlflow_run_id, model.mlflow_run_id):
+        tracker = existing_run(recipe.tracking, recipe.output_dir, run_id).tracker()
+        tracker.log_metrics(metrics, step=0)
+        for name in (FIT_FILE, *PLOTS):
+            tracker.log_artifact(out / name, "fit")
+    return checked
+
+
+def contamination_report(data: DatasetManifest) -> dict[str, Any]:
+    """HumanEval prompts and solutions found verbatim in the training shards (decoded)."""
+    from data_pipeline.humaneval import contamination
+    from data_pipeline.shards import training_documents
+
+    return contamination(training_documents(data))
+
+
+def size_for_budget(
+    recipe: Recipe, n_opt: float, budget: float, swept: tuple[float, float] | None = None
+) -> tuple[Recipe, str]:
+    """The recipe at the size nearest N* (in log space; depth 1-8, widths in head-size steps, aspect ratio 16-48
+    like the sweep's shapes), with the sweep's batch, horizon and warmup rules for D = C / (6·N) tokens; returns
+    it and a one-line explanation (which flags an N* outside the `swept` sizes)."""
+    from training.sweep import count_n, run_shape, sized_model
+
+    head = recipe.model.head_dim
     candidates = []
-    for depth in range(1, max_depth + 1):
-        model = sized_model(recipe.model, depth)
-        candidates.append((abs(np.log(count_parameters(model).matmul_active / n_opt)), depth, model))
-    _, depth, model = min(candidates, key=lambda c: c[0])
-    n = count_parameters(model).matmul_active
-    tokens_per_step = recipe.train.global_batch(recipe.parallel.world_size) * recipe.train.seq_len
-    steps = max(1, round(budget / (6.0 * n) / tokens_per_step))
+    for depth in range(1, 9):
+        for width in range(head, 64 * depth + 1, head):
+            if 16 <= width / depth <= 48 or depth == 1:
+                model = sized_model(recipe.model, depth, width)
+                n = count_n(model, recipe.sweep.param_count)
+                candidates.append((abs(np.log(n / n_opt)), abs(width / depth - 24), depth, width, model, n))
+    _, _, depth, width, model, n = min(candidates, key=lambda c: c[:2])
+    shape = run_shape(recipe.pretrain_spec(), recipe.sweep, n, [budget])
+    steps = shape.steps[0]
     every = max(1, steps // 3)
     sized = recipe.override(
         {
             "model": model.model_dump(mode="json"),
+            "train.global_batch_size": shape.batch,
+            "train.micro_batch_size": shape.micro_batch,
             "train.max_steps": steps,
             "train.eval_every": every,
             "train.checkpoint_every": every,
-            "optim.warmup_steps": min(recipe.optim.warmup_steps, max(1, steps // 10)),
+            "optim.warmup_steps": shape.warmup,
         }
     )
+    tokens = steps * shape.tokens_per_step
     note = (
-        f"C={budget:.3g} FLOPs: fitted N*={n_opt:.3g}; nearest size depth {depth} (N={n:,}), "
-        f"D={steps * tokens_per_step:,} tokens ({steps} steps, {steps * tokens_per_step / n:.1f} tokens/param)"
+        f"C={budget:.3g} FLOPs: fitted N*={n_opt:.3g}; nearest size depth {depth} width {width} (N={n:,}), "
+        f"D={tokens:,} tokens ({steps} steps of {shape.batch} sequences, {tokens / n:.1f} tokens/param)"
     )
     if swept and not swept[0] <= n_opt <= swept[1]:
         note += f"; N* lies outside the swept sizes ({swept[0]:,.0f}–{swept[1]:,.0f}): an extrapolation, widen the sweep"

@@ -40,10 +40,16 @@ def sweep(recipe: Recipe, data: DatasetManifest, progress: TrialProgress | None 
     return run_sweep(recipe.sweep_spec(), data, progress=progress)
 
 
-def fit(recipe: Recipe, swept: SweepResult) -> ScalingFit:
+def fit(recipe: Recipe, swept: SweepResult, data: DatasetManifest) -> ScalingFit:
     from flows.scaling import fit_sweep
 
-    return fit_sweep(recipe, swept)
+    return fit_sweep(recipe, swept, data)
+
+
+def check(recipe: Recipe, swept: SweepResult, law: ScalingFit, rung: TrainedModel) -> ScalingFit:
+    from flows.scaling import check_rung
+
+    return check_rung(recipe, swept, law, rung)
 
 
 def pretrain(recipe: Recipe, data: DatasetManifest, progress: StepProgress | None = None) -> TrainedModel:
@@ -87,10 +93,16 @@ def evaluate(
     return run_eval(recipe.eval_spec(), models, names, sft_heldout=sft_heldout)
 
 
-def register(recipe: Recipe, ref: TrainedModel, report: EvalReport, base_name: str | None) -> Any:
+def register(
+    recipe: Recipe,
+    ref: TrainedModel,
+    report: EvalReport,
+    base_name: str | None,
+    law: ScalingFit | None = None,
+) -> Any:
     from flows.registration import register_final
 
-    return register_final(recipe, ref, report, base_name)
+    return register_final(recipe, ref, report, base_name, law)
 
 
 # ---- compositions -------------------------------------------------------------------------------------
@@ -166,16 +178,18 @@ def pipeline(
         recipe,
         {"tokens (train)": train_split.n_tokens, "tokens (val)": val_split.n_tokens, "directory": data.path},
     )
-    final = recipe
+    final, law = recipe, None
     if options.size == "fit":
         result = timed(times, "sweep", run, sweep, recipe, data, progress=run.trials("sweep"))
-        run.publish(
-            "sweep",
-            recipe,
-            {"trials": result.n_trials, "completed": result.n_completed, "results": result.results},
-            result.mlflow_run_id,
-        )
-        law = timed(times, "fit", run, fit, recipe, result)
+        numbers = {
+            "trials": result.n_trials,
+            "completed": result.n_completed,
+            "points": result.n_points,
+            "points per FLOP vs one run per point": round(result.points_per_flop_gain, 3),
+            "results": result.results,
+        }
+        run.publish("sweep", recipe, numbers, result.mlflow_run_id)
+        law = timed(times, "fit", run, fit, recipe, result, data)
         budget = options.budget or target_budget(recipe)
         sizes = [row["N"] for row in pq.read_table(result.results, columns=["N"]).to_pylist()]
         final, note = size_for_budget(
@@ -183,12 +197,14 @@ def pipeline(
         )
         final = final.override({"name": f"{recipe.name}-optimal"})
         summary |= {"law": law.law, "intervals": law.intervals, "chosen": note}
-        numbers = {**{k: round(v, 4) for k, v in law.law.items()}, "chosen size": note}
-        run.publish("fit", recipe, numbers, result.mlflow_run_id)
     progress = run.steps("pretrain", final.train.max_steps)
     base = timed(times, "pretrain", run, pretrain, final, data, progress=progress)
     numbers = {"val loss": base.final_val_loss, "steps": base.step, "export verified": base.export_valid}
     run.publish("pretrain", recipe, numbers, base.mlflow_run_id)
+    if law is not None:
+        law = timed(times, "check", run, check, recipe, result, law, base)
+        summary["rung"] = fit_headline(law)
+        run.publish("fit", recipe, {**summary["rung"], "chosen size": note}, result.mlflow_run_id)
     models, heldout = [base], None
     if options.finetune:
         examples = timed(times, "sft_data", run, sft_data, final, base)
@@ -202,12 +218,35 @@ def pipeline(
     summary |= {"eval": eval_headline(report), "report": str(Path(report.path) / "report.md")}
     if options.register_model:
         base_name = list(report.models)[0] if len(models) > 1 else None
-        version = timed(times, "register", run, register, final, models[-1], report, base_name)
+        version = timed(times, "register", run, register, final, models[-1], report, base_name, law)
         summary["registered"] = version.model_dump()
         numbers = {"model": version.name, "version": version.version, "alias": version.alias, **version.gates}
         run.publish("register", recipe, numbers)
     summary["stage_seconds"] = times
     return summary
+
+
+def fit_headline(law: ScalingFit) -> dict[str, Any]:
+    """The law, both approaches' N* and the rung's prediction against its measurement."""
+    numbers: dict[str, Any] = {k: round(v, 4) for k, v in law.law.items()}
+    numbers |= {f"{k} 95%": [round(x, 4) for x in law.intervals[k]] for k in ("alpha", "beta")}
+    numbers |= {"N* (Approach 3)": round(law.optimal.n_opt), "N* (Approach 2)": law.approach2_n_opt}
+    rung = law.rung
+    if rung is not None:
+        numbers |= {
+            "rung predicted loss": round(rung.loss, 4),
+            "rung 95% interval": [round(x, 4) for x in rung.interval],
+            "rung measured loss": rung.measured_loss,
+            "fit/rung_rel_error": rung.rel_error,
+            "prediction held": rung.held,
+        }
+        if rung.task_loss is not None:
+            numbers |= {
+                "rung predicted HumanEval bits/byte": round(rung.task_loss, 4),
+                "rung measured HumanEval bits/byte": rung.measured_task_loss,
+                "task rel error": rung.task_rel_error,
+            }
+    return numbers
 
 
 def eval_headline(report: EvalReport) -> dict[str, Any]:

@@ -55,6 +55,7 @@ def register(
     gates: dict[str, bool],
     report_dir: str | Path | None = None,
     description: str = "",
+    tags: dict[str, str] | None = None,
 ) -> RegisteredVersion:
     """Log `ref`'s export as a pyfunc into its own MLflow run, register a version, attach the eval report,
     and point `alias` at it when every gate passes."""
@@ -90,6 +91,8 @@ def register(
     for gate, passed in gates.items():
         client.set_model_version_tag(registered_name, version.version, f"gate.{gate}", str(passed).lower())
     client.set_model_version_tag(registered_name, version.version, "lmforge.run_dir", ref.run_dir)
+    for key, value in (tags or {}).items():
+        client.set_model_version_tag(registered_name, version.version, key, value)
     if description:
         client.update_model_version(registered_name, version.version, description=description)
     passed = bool(gates) and all(gates.values())

@@ -140,20 +140,39 @@ class FinetuneConfig(BaseModel):
     eval_examples: PositiveInt = 64  # held-out prompts for exact match before and after
 
 
-class SweepConfig(BaseModel):
-    """A scaling sweep: for each compute budget C and model size (depth dial), a run of D = C / (6·N) tokens.
+class SweepSize(BaseModel):
+    """One model size of a sweep: a depth and, optionally, a width (d_model) other than depth × aspect ratio."""
 
-    N counts the parameters in matrix multiplies per token (active parameters for MoE), so C matches the
-    6·N·D FLOPs the run performs. An optional learning-rate grid multiplies the trials; `scheduler: asha`
-    stops poor learning rates early (those runs are kept out of the fits).
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    depth: PositiveInt
+    width: PositiveInt | None = None
+
+
+class SweepConfig(BaseModel):
+    """A scaling sweep: for each compute budget C and model size, D = C / (6·N) tokens.
+
+    N counts the parameters in matrix multiplies per token (active parameters for MoE; `param_count:
+    non_embedding` leaves out the embedding and the head), so C matches the 6·N·D FLOPs the run performs. With
+    `multi_horizon` each size is one WSD run to the largest budget that also decays a branch at every smaller
+    budget's token count, so one run gives one point per budget. The global batch can grow with the run's tokens
+    (B ∝ D^batch_exponent, rounded to a power of two) and warmup is a share of the shortest horizon. An optional
+    learning-rate grid multiplies the trials; `scheduler: asha` stops poor rates early (kept out of the fits).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    budgets: list[PositiveFloat] = Field(default_factory=list)  # training FLOPs per trial
-    depths: list[PositiveInt] = Field(default_factory=list)  # model.depth values (size dial)
+    budgets: list[PositiveFloat] = Field(default_factory=list)  # training FLOPs per point
+    depths: list[PositiveInt] = Field(default_factory=list)  # model.depth values (size dial, recipe's aspect)
+    sizes: list[SweepSize] = Field(default_factory=list)  # explicit (depth, width) sizes, after `depths`
     lrs: list[PositiveFloat] = Field(default_factory=list)  # empty: the recipe's optim.lr
-    min_steps: PositiveInt = 10  # (budget, size) pairs giving fewer optimizer steps are left out
+    multi_horizon: bool = False
+    batch_exponent: float = Field(0.0, ge=0.0, le=1.0)  # 0: the recipe's global batch for every run
+    reference_tokens: PositiveFloat | None = None  # the D at which the recipe's global batch applies
+    warmup_fraction: float | None = Field(None, gt=0.0, lt=0.5)  # None: recipe's warmup, at most steps/10
+    param_count: Literal["matmul", "non_embedding"] = "matmul"
+    max_epochs: PositiveFloat = 4.0  # a run repeating its data more often is flagged (data-constrained)
+    min_steps: PositiveInt = 10  # horizons with fewer optimizer steps are left out
     max_concurrent: PositiveInt = 1  # trials at once (on a 2-vCPU machine, 1)
     cpus_per_trial: PositiveFloat = 1.0
     gpus_per_trial: float = Field(0.0, ge=0)
@@ -162,6 +181,10 @@ class SweepConfig(BaseModel):
     reduction_factor: float = Field(3.0, gt=1)
     report_every: PositiveInt = 10  # steps between reports to Tune
     target_budget: PositiveFloat | None = None  # the fit's compute-optimal size is chosen for this budget
+    probe: Literal["humaneval"] | None = None  # a downstream task loss measured at every point
+
+    def all_sizes(self) -> list[SweepSize]:
+        return [SweepSize(depth=d) for d in self.depths] + list(self.sizes)
 
 
 def check_batch(train: TrainConfig, parallel: ParallelConfig, prefix: str = "train") -> None:

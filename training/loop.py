@@ -71,7 +71,9 @@ class LoopSetup:
     peak_flops: float  # per device
     meta: dict[str, Any]  # written into every checkpoint (config digest, MLflow run id, ...)
     progress: Callable[[int, float, float], None] | None = None  # (step, loss, tokens/s), rank 0
-    probe: Callable[[torch.nn.Module], dict[str, float]] | None = None  # extra metrics at each final evaluation
+    probe: Callable[[torch.nn.Module], dict[str, float]] | None = (
+        None  # extra metrics at each final evaluation
+    )
 
 
 def all_reduce_sum(value: Tensor) -> Tensor:
@@ -128,7 +130,9 @@ class StepOutcome:
     metrics: dict[str, float]
 
 
-def optimizer_step(engine: Engine, train: Batches, objective: Objective, lr: float, world_size: int) -> StepOutcome:
+def optimizer_step(
+    engine: Engine, train: Batches, objective: Objective, lr: float, world_size: int
+) -> StepOutcome:
     """Draw `accumulation_steps` micro-batches, back-propagate each at its share of the global units, step."""
     accumulation = engine.accumulation_steps
     micro_batches = [train.next_batch() for _ in range(accumulation)]
@@ -164,9 +168,9 @@ def optimizer_step(engine: Engine, train: Batches, objective: Objective, lr: flo
     return StepOutcome(loss, grad_norm, metrics)
 
 
-def decay_start(horizon: int, optim: OptimConfig) -> int:
-    """The step at which a WSD run of `horizon` steps leaves its stable phase."""
-    return horizon - max(1, round(optim.decay_fraction * horizon))
+def decay_start(horizon: int, decay_fraction: float) -> int:
+    """The step at which a WSD run of `horizon` steps leaves its stable phase (as `lr_at` decays)."""
+    return horizon - max(1, round(decay_fraction * horizon))
 
 
 def train_loop(
@@ -186,7 +190,7 @@ def train_loop(
     tokens_per_step = cfg.global_batch(setup.world_size) * cfg.seq_len
     metrics_file = setup.run_dir / "metrics.jsonl"
     checkpoints = setup.run_dir / "checkpoints"
-    branches = {decay_start(h, optim): h for h in cfg.horizons if h < cfg.max_steps}
+    branches = {decay_start(h, optim.decay_fraction): h for h in cfg.horizons if h < cfg.max_steps}
     done = {int(m["horizon/steps"]) for m in read_jsonl(metrics_file) if "horizon/steps" in m}
 
     def log(metrics: dict[str, float], step: int) -> None:

@@ -69,7 +69,9 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimiz
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
     if cfg.name == "muon":
         if any(g.get("lr_mult", 1.0) != 1.0 for g in groups):
-            raise ValueError("μP's per-width learning rates need optim.name=adamw (DeepSpeed's Muon groups its own)")
+            raise ValueError(
+                "μP's per-width learning rates need optim.name=adamw (DeepSpeed's Muon groups its own)"
+            )
         params = {"lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
         return BuiltByDeepSpeed({"type": "Muon", "params": params})
     raise ValueError(f"optim.name={cfg.name!r} has no builder in training/optim.py")

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import model_validator
 from torch import nn
 
+from data_pipeline.humaneval import humaneval_pairs
 from data_pipeline.loader import PackedLoader, SampledLoader
 from data_pipeline.shards import DatasetManifest
 from data_pipeline.sources import DataError
+from data_pipeline.tokenizer import describe
 from infra.steps import Artifact
 from infra.storage import MANIFEST
 from infra.tracking import Tracker
@@ -25,6 +27,7 @@ from training.config import TrainingSpec, check_context
 from training.export import export_hf
 from training.loop import Batches
 from training.model import ModelConfig, Transformer
+from training.probe import TaskProbe
 from training.stage import (
     Progress,
     TrainedModel,
@@ -39,9 +42,10 @@ from training.stage import (
 class PretrainSpec(TrainingSpec):
     """What pretraining receives: the model to build plus the common training slices."""
 
-    KEY: ClassVar[set[str]] = {"model", "optim", "train"}
+    KEY: ClassVar[set[str]] = {"model", "optim", "train", "probe"}
 
     model: ModelConfig
+    probe: Literal["humaneval"] | None = None  # a downstream task loss at every final evaluation
 
     @model_validator(mode="after")
     def _fits_context(self) -> PretrainSpec:
@@ -87,6 +91,12 @@ class Pretrain(TrainingStage):
         loader = PackedLoader(data, "train", seed=train.seed, **common)
         val = PackedLoader(data, "val", shuffle=False, **common) if data.splits["val"].n_docs else None
         return loader, val
+
+    def probe(self, job: TrainingJob) -> TaskProbe | None:
+        if job.spec.probe is None:
+            return None
+        tokenizer = describe(Path(job.inputs["data"].tokenizer.path)).load()
+        return TaskProbe(humaneval_pairs(tokenizer), job.spec.train.seq_len)
 
     def finalize(self, job: TrainingJob, final: Path, tracker: Tracker) -> TrainedModel:
         from training.parallel import fp32_state_dict

@@ -104,6 +104,10 @@ class TrainingStage(ABC):
     def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
         """This rank's training batches and (optionally) the validation loader."""
 
+    def probe(self, job: TrainingJob) -> Callable[[nn.Module], dict[str, float]] | None:
+        """Extra metrics measured on the module at every final evaluation (none unless overridden)."""
+        return None
+
     def objective(self, job: TrainingJob) -> Objective:
         """What the loop minimises (next-token cross-entropy over the loss-carrying tokens unless overridden)."""
         return TokenCrossEntropy()
@@ -221,6 +225,7 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
         peak_flops=peak_flops_for(spec.parallel.precision, train, cfg, rank, engine.device),
         meta={"mlflow_run_id": job.run.run_id, "config_digest": job.key},
         progress=progress,
+        probe=job.stage.probe(job),
     )
     state = resume(engine, loader, setup)
     val = (lambda: val_loader.epoch_batches(train.eval_batches)) if val_loader is not None else None

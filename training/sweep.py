@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -29,12 +30,13 @@ from infra.tracking import TrackingConfig, tracked_run, tracking_uri
 from training.accounting import count_parameters
 from training.config import SweepConfig
 from training.launch import ensure_ray
-from training.model import ModelConfig
+from training.loop import TrainingHalted, decay_start
+from training.model import ModelConfig, depth_dial
 from training.pretrain import PRETRAIN, PretrainSpec, run_pretrain
 from training.stage import TrainedModel, git_revision, read_metrics, training_step
 
 log = logging.getLogger(__name__)
-SWEEP_VERSION = 2
+SWEEP_VERSION = 3
 RESULTS = "results.parquet"
 TrialProgress = Callable[[int, int, dict[str, Any]], None]  # (finished, total, row)
 
@@ -52,36 +54,47 @@ class SweepSpec(BaseModel):
 
 
 class TrialPlan(BaseModel):
-    """One trial: a model size trained for D = C / (6·N) tokens (rounded to whole optimizer steps)."""
+    """One run: a model size trained for D = C / (6·N) tokens at its largest budget C (rounded to whole steps),
+    decaying a branch at each smaller budget's D when the sweep is multi-horizon."""
 
     model_config = ConfigDict(frozen=True)
 
-    budget: float
+    budgets: list[float]  # one point per budget, ascending; the last is the run's own horizon
+    steps: list[int]  # optimizer steps per budget
     depth: int
+    width: int
     lr: float
-    n_active: int  # parameters in matrix multiplies per token (what 6·N·D counts)
+    n_active: int  # N under the sweep's parameter-count convention (what 6·N·D counts)
     n_total: int
-    steps: int
-    tokens: int
+    batch: int  # sequences per optimizer step
+    warmup: int
+    tokens_per_step: int
+    decay_fraction: float  # WSD's share of each horizon spent decaying
     model: dict[str, Any]
 
     @property
     def flops(self) -> float:
-        return 6.0 * self.n_active * self.tokens
+        """FLOPs the run spends: its full horizon plus every decay branch."""
+        decay = [s - decay_start(s, self.decay_fraction) for s in self.steps[:-1]]
+        return 6.0 * self.n_active * self.tokens_per_step * (self.steps[-1] + sum(decay))
 
     @property
     def name(self) -> str:
-        return f"C{self.budget:.3g}-d{self.depth}-lr{self.lr:g}".replace("+", "")
+        return f"C{self.budgets[-1]:.3g}-d{self.depth}w{self.width}-lr{self.lr:g}".replace("+", "")
 
 
 class SweepResult(Artifact):
     """A finished sweep (`path` is its directory)."""
 
-    results: str  # the Parquet table
+    results: str  # the Parquet table, one row per (run, horizon)
     n_trials: int
     n_completed: int
     n_stopped: int  # stopped early by ASHA
+    n_points: int  # completed (N, D) points: several per run when multi-horizon
+    flops: float  # FLOPs the completed runs spent
+    points_per_flop_gain: float  # (points / FLOPs) over a one-point-per-run design's (points / FLOPs)
     skipped: list[str]  # (budget, size) pairs left out, with the reason
+    warnings: list[str] = []  # data-constrained runs (more epochs than sweep.max_epochs)
     mlflow_run_id: str | None
     wall_seconds: float  # Tuner.fit() wall time
     trial_seconds: float  # sum of the trials' own run_pretrain times (this invocation only)
@@ -92,45 +105,101 @@ class SweepResult(Artifact):
         return self.path
 
 
-def sized_model(base: ModelConfig, depth: int) -> ModelConfig:
-    """The recipe's architecture at another depth, keeping its aspect ratio, head size and kv grouping."""
-    head_dim = base.d_model // base.n_heads
+def sized_model(base: ModelConfig, depth: int, width: int | None = None) -> ModelConfig:
+    """The recipe's architecture at another depth (and width, default depth × its aspect ratio), keeping its
+    head size and kv grouping."""
+    head_dim, kv_ratio = base.head_dim, base.n_heads // base.n_kv_heads
     fields = base.model_dump(exclude={"d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"})
-    return ModelConfig.from_depth(
-        depth,
-        aspect_ratio=base.d_model // base.n_layers,
-        head_dim=head_dim,
-        kv_ratio=base.n_heads // base.n_kv_heads,
-        **fields,
+    if width is None:
+        dial = depth_dial(depth, base.d_model // base.n_layers, head_dim, kv_ratio)
+    elif width % head_dim:
+        raise ValueError(f"sweep size width={width} must be a multiple of the head size {head_dim}")
+    else:
+        dial = {**depth_dial(1, width, head_dim, kv_ratio), "n_layers": depth}
+    return ModelConfig(**dial, **fields)
+
+
+def count_n(model: ModelConfig, convention: str) -> int:
+    """N under a parameter-count convention: `matmul` (every matrix multiply per token, the head included) or
+    `non_embedding` (Kaplan et al. 2020: without the embedding and the head)."""
+    counts = count_parameters(model)
+    if convention == "matmul":
+        return counts.matmul_active
+    return counts.matmul_active - (counts.lm_head or counts.embedding)
+
+
+class RunShape(BaseModel):
+    """Batch, horizons and warmup of one run, from the sweep's rules (shared by the trials and the rung)."""
+
+    batch: int
+    micro_batch: int
+    steps: list[int]
+    warmup: int
+    tokens_per_step: int
+
+
+def run_shape(base: PretrainSpec, sweep: SweepConfig, n: int, budgets: list[float]) -> RunShape:
+    """The global batch (∝ D^batch_exponent at the largest budget, a power of two), each budget's step count and
+    the warmup (a share of the shortest horizon, or the recipe's warmup capped at a tenth of it)."""
+    train, world = base.train, base.parallel.world_size
+    batch = train.global_batch(world)
+    if sweep.batch_exponent and sweep.reference_tokens:
+        raw = batch * (max(budgets) / (6.0 * n) / sweep.reference_tokens) ** sweep.batch_exponent
+        batch = max(1, 2 ** round(math.log2(raw)))
+    micro = min(train.micro_batch_size, max(1, batch // world))
+    batch = math.ceil(batch / (micro * world)) * micro * world
+    tokens_per_step = batch * train.seq_len
+    steps = [max(1, round(c / (6.0 * n) / tokens_per_step)) for c in budgets]
+    if sweep.warmup_fraction:
+        warmup = max(1, round(sweep.warmup_fraction * min(steps)))
+    else:
+        warmup = min(base.optim.warmup_steps, max(1, min(steps) // 10))
+    return RunShape(
+        batch=batch, micro_batch=micro, steps=steps, warmup=warmup, tokens_per_step=tokens_per_step
     )
 
 
 def plan_trials(spec: SweepSpec) -> tuple[list[TrialPlan], list[str]]:
-    """The (budget × depth × lr) grid; pairs whose token count gives fewer than `min_steps` steps are skipped."""
+    """The runs: per size (× lr), one multi-horizon run over every budget, or one run per budget; budgets whose
+    horizon is shorter than `min_steps` are left out (with the reason)."""
     sweep, base = spec.sweep, spec.base
-    tokens_per_step = base.train.global_batch(base.parallel.world_size) * base.train.seq_len
+    if sweep.multi_horizon and base.optim.schedule != "wsd":
+        raise ValueError(
+            f"sweep.multi_horizon decays WSD branches; set optim.schedule=wsd (it is {base.optim.schedule})"
+        )
+    budgets = sorted(sweep.budgets)
+    groups = [budgets] if sweep.multi_horizon else [[b] for b in budgets]
     plans, skipped = [], []
-    for budget in sweep.budgets:
-        for depth in sweep.depths:
-            model = sized_model(base.model, depth)
-            counts = count_parameters(model)
-            steps = round(budget / (6.0 * counts.matmul_active) / tokens_per_step)
-            if steps < sweep.min_steps:
-                skipped.append(
-                    f"budget {budget:.3g} FLOPs at depth {depth} (N={counts.matmul_active:,}): {steps} steps "
-                    f"< sweep.min_steps={sweep.min_steps}; raise the budget or drop the size"
-                )
+    for size in sweep.all_sizes():
+        model = sized_model(base.model, size.depth, size.width)
+        n = count_n(model, sweep.param_count)
+        for group in groups:
+            shape = run_shape(base, sweep, n, group)
+            kept = [(c, st) for c, st in zip(group, shape.steps, strict=True) if st >= sweep.min_steps]
+            skipped += [
+                f"budget {c:.3g} FLOPs at depth {size.depth} width {model.d_model} (N={n:,}): {st} steps "
+                f"< sweep.min_steps={sweep.min_steps}; raise the budget or drop the size"
+                for c, st in zip(group, shape.steps, strict=True)
+                if st < sweep.min_steps
+            ]
+            if not kept:
                 continue
+            if len(kept) < len(group):
+                shape = run_shape(base, sweep, n, [c for c, _ in kept])
             for lr in sweep.lrs or [base.optim.lr]:
                 plans.append(
                     TrialPlan(
-                        budget=budget,
-                        depth=depth,
+                        budgets=[c for c, _ in kept],
+                        steps=shape.steps,
+                        depth=size.depth,
+                        width=model.d_model,
                         lr=lr,
-                        n_active=counts.matmul_active,
-                        n_total=counts.total,
-                        steps=steps,
-                        tokens=steps * tokens_per_step,
+                        n_active=n,
+                        n_total=count_parameters(model).total,
+                        batch=shape.batch,
+                        warmup=shape.warmup,
+                        tokens_per_step=shape.tokens_per_step,
+                        decay_fraction=base.optim.decay_fraction,
                         model=model.model_dump(mode="json"),
                     )
                 )
@@ -138,18 +207,22 @@ def plan_trials(spec: SweepSpec) -> tuple[list[TrialPlan], list[str]]:
 
 
 def trial_spec(spec: SweepSpec, plan: TrialPlan, parent_run_id: str | None) -> PretrainSpec:
-    """One trial's pretraining spec: its size, horizon (the schedule spans exactly its steps) and learning rate.
-    Paths and the tracking store are absolute: Tune runs trials in their own working directories."""
+    """One trial's pretraining spec: its size, batch, horizons (the schedule spans exactly its steps), warmup and
+    learning rate. Paths and the tracking store are absolute: Tune runs trials in their own working directories."""
     base = spec.base
     changes: dict[str, Any] = {
         "name": f"{spec.name}-sweep-{plan.name}",
         "output_dir": str(Path(spec.output_dir).resolve()),
         "model": plan.model,
-        "train.max_steps": plan.steps,
-        "train.eval_every": plan.steps,
-        "train.checkpoint_every": plan.steps,
+        "train.global_batch_size": plan.batch,
+        "train.micro_batch_size": min(base.train.micro_batch_size, plan.batch // base.parallel.world_size),
+        "train.max_steps": plan.steps[-1],
+        "train.horizons": plan.steps[:-1],
+        "train.eval_every": plan.steps[-1],
+        "train.checkpoint_every": plan.steps[-1],
         "optim.lr": plan.lr,
-        "optim.warmup_steps": min(base.optim.warmup_steps, max(1, plan.steps // 10)),
+        "optim.warmup_steps": plan.warmup,
+        "probe": spec.sweep.probe,
         "tracking.parent_run_id": parent_run_id,
     }
     if base.tracking.enabled:
@@ -157,30 +230,54 @@ def trial_spec(spec: SweepSpec, plan: TrialPlan, parent_run_id: str | None) -> P
     return override(base, changes)
 
 
-def trial_row(
-    plan: TrialPlan, ref: TrainedModel | None, wall: float, status: str, last_loss: float | None
-) -> dict:
+def trial_rows(
+    plan: TrialPlan,
+    ref: TrainedModel | None,
+    wall: float,
+    status: str,
+    last_loss: float | None,
+    train_tokens: int,
+) -> list[dict]:
+    """One row per horizon of a run: (N, D, C) and the final validation loss (what the fits use), plus the
+    probe's task metrics when measured."""
     metrics = read_metrics(Path(ref.run_dir)) if ref else []
-    val = [m["val/loss"] for m in metrics if "val/loss" in m]
     speed = [m["perf/tokens_per_s"] for m in metrics if "perf/tokens_per_s" in m][1:]  # first step warms up
-    return {
-        "budget": plan.budget,
-        "depth": plan.depth,
-        "lr": plan.lr,
-        "N": plan.n_active,
-        "N_total": plan.n_total,
-        "D": plan.tokens,
-        "C": plan.flops,
-        "steps": plan.steps,
-        "loss": ref.final_val_loss if ref else None,  # final validation loss: what the fits use
-        "best_val_loss": min(val) if val else None,
-        "final_train_loss": last_loss,
-        "tokens_per_s": sum(speed) / len(speed) if speed else None,
-        "wall_seconds": wall,
-        "status": status,
-        "run_dir": ref.run_dir if ref else None,
-        "mlflow_run_id": ref.mlflow_run_id if ref else None,
-    }
+    ends = {int(m["horizon/steps"]): m for m in metrics if "horizon/steps" in m}
+    final = {}
+    for m in metrics:  # the last evaluation at the run's own horizon
+        if m.get("step") == plan.steps[-1] and "val/loss" in m:
+            final = {f"horizon/{k.replace('/', '_')}": v for k, v in m.items() if k != "step"}
+    ends[plan.steps[-1]] = final
+    rows = []
+    for budget, steps in zip(plan.budgets, plan.steps, strict=True):
+        end = ends.get(steps, {})
+        tokens = steps * plan.tokens_per_step
+        rows.append(
+            {
+                "budget": budget,
+                "depth": plan.depth,
+                "width": plan.width,
+                "lr": plan.lr,
+                "N": plan.n_active,
+                "N_total": plan.n_total,
+                "D": tokens,
+                "C": 6.0 * plan.n_active * tokens,
+                "steps": steps,
+                "batch": plan.batch,
+                "warmup": plan.warmup,
+                "epochs": tokens / train_tokens if train_tokens else None,
+                "loss": end.get("horizon/val_loss") if ref else None,
+                "task_loss": end.get("horizon/probe_bpb"),
+                "final_train_loss": last_loss if steps == plan.steps[-1] else None,
+                "tokens_per_s": sum(speed) / len(speed) if speed else None,
+                "wall_seconds": wall if steps == plan.steps[-1] else 0.0,
+                "run_flops": plan.flops if steps == plan.steps[-1] else 0.0,
+                "status": status,
+                "run_dir": ref.run_dir if ref else None,
+                "mlflow_run_id": ref.mlflow_run_id if ref else None,
+            }
+        )
+    return rows
 
 
 def _last_train_loss(run_dir: str) -> float | None:
@@ -204,13 +301,19 @@ def _trainable(config: dict[str, Any], specs: list[tuple[str, str]], data: str, 
 
     def report(step: int, loss: float, tokens_per_s: float) -> None:
         last["loss"] = loss
-        if step % report_every == 0 and step < plan.steps:
+        if step % report_every == 0 and step < plan.steps[-1]:
             tune.report({"step": step, "train_loss": loss})
 
     t0 = time.perf_counter()
-    ref = run_pretrain(spec, manifest, progress=report)
-    row = trial_row(plan, ref, time.perf_counter() - t0, "completed", last["loss"])
-    tune.report({"step": plan.steps, "train_loss": last["loss"] or float("nan"), "row": row})
+    train_tokens = manifest.splits["train"].n_tokens
+    try:
+        ref = run_pretrain(spec, manifest, progress=report)
+    except TrainingHalted as halted:  # diverged: a row without a loss, kept out of the fits
+        log.warning("sweep trial %s diverged: %s", plan.name, halted)
+        rows = trial_rows(plan, None, time.perf_counter() - t0, "diverged", last["loss"], train_tokens)
+    else:
+        rows = trial_rows(plan, ref, time.perf_counter() - t0, "completed", last["loss"], train_tokens)
+    tune.report({"step": plan.steps[-1], "train_loss": last["loss"] or float("nan"), "rows": rows})
 
 
 def run_sweep(spec: SweepSpec, data: DatasetManifest, progress: TrialProgress | None = None) -> SweepResult:
@@ -221,7 +324,7 @@ def run_sweep(spec: SweepSpec, data: DatasetManifest, progress: TrialProgress | 
             "sweep has no trials: set sweep.budgets and sweep.depths"
             + (" (every pair was left out: " + "; ".join(skipped) + ")" if skipped else "")
         )
-    config = {"sweep": spec.sweep.model_dump(mode="json"), "runs": spec.base.key()}
+    config = {"sweep": spec.sweep.model_dump(mode="json", exclude={"target_budget"}), "runs": spec.base.key()}
     step = Step("sweep", spec.name, SWEEP_VERSION, config, SweepResult, {"data": data})
     return run_step(
         spec.output_dir, step, lambda out, _key: _sweep(spec, data, plans, skipped, out, progress)
@@ -244,44 +347,82 @@ def _sweep(
         tracker = run.tracker()
         if parent is None:
             tracker.log_params({"sweep": spec.sweep.model_dump(mode="json"), "n_trials": len(plans)})
-        rows: dict[str, dict[str, Any]] = {}
+        rows: dict[str, list[dict[str, Any]]] = {}
         todo = []
+        train_tokens = data.splits["train"].n_tokens
         for plan in plans:
             trial = trial_spec(spec, plan, run.run_id)
             done = training_step(PRETRAIN, trial, {"data": data}).finished(spec.output_dir)
             if done is not None:  # finished earlier: no time spent now
-                rows[plan.name] = trial_row(plan, done, 0.0, "completed", _last_train_loss(done.path))
+                last = _last_train_loss(done.path)
+                rows[plan.name] = trial_rows(plan, done, 0.0, "completed", last, train_tokens)
             else:
                 todo.append((plan, trial))
         if progress:
-            for row in rows.values():
-                progress(len(rows), len(plans), row)
+            for done_rows in rows.values():
+                progress(len(rows), len(plans), done_rows[-1])
         wall, trial_seconds = _run_trials(spec.sweep, todo, data, rows, progress, len(plans), sweep_dir)
         missing = [p.name for p in plans if p.name not in rows]
         if missing:  # Tune stops gracefully on Ctrl-C; hand the interrupt back to the caller
             raise KeyboardInterrupt(f"sweep interrupted: trials {missing} did not finish")
-        ordered = [rows[p.name] for p in plans]
+        ordered = [row for p in plans for row in rows[p.name]]
         pq.write_table(pa.Table.from_pylist(ordered), sweep_dir / RESULTS)
         tracker.log_artifact(sweep_dir / RESULTS)
-        completed = [r for r in ordered if r["status"] == "completed"]
-        concurrency = min(spec.sweep.max_concurrent, max(1, len(todo)))
-        result = SweepResult(
-            path=str(sweep_dir.resolve()),
-            results=str((sweep_dir / RESULTS).resolve()),
-            n_trials=len(plans),
-            n_completed=len(completed),
-            n_stopped=len(ordered) - len(completed),
-            skipped=skipped,
-            mlflow_run_id=run.run_id,
-            wall_seconds=wall,
-            trial_seconds=trial_seconds,
-            overhead=wall / (trial_seconds / concurrency) if trial_seconds else None,
-        )
-        summary = {"sweep/completed": len(completed), "sweep/stopped": result.n_stopped, "sweep/wall_s": wall}
+        result = _summarise(spec, plans, rows, skipped, sweep_dir, run.run_id, wall, trial_seconds, len(todo))
+        summary = {
+            "sweep/completed": result.n_completed,
+            "sweep/stopped": result.n_stopped,
+            "sweep/points": result.n_points,
+            "sweep/points_per_flop_gain": result.points_per_flop_gain,
+            "sweep/wall_s": wall,
+        }
         if result.overhead:
             summary["sweep/overhead"] = result.overhead
         tracker.log_metrics(summary, step=0)
+        for warning in result.warnings:
+            log.warning("%s", warning)
     return result
+
+
+def _summarise(
+    spec: SweepSpec,
+    plans: list[TrialPlan],
+    rows: dict[str, list[dict[str, Any]]],
+    skipped: list[str],
+    sweep_dir: Path,
+    run_id: str | None,
+    wall: float,
+    trial_seconds: float,
+    n_run: int,
+) -> SweepResult:
+    """Counts, the multi-horizon gain (points per FLOP against one run per point) and data-constraint warnings."""
+    completed = [p for p in plans if rows[p.name][-1]["status"] == "completed"]
+    points = [r for p in completed for r in rows[p.name] if r["loss"] is not None]
+    flops = sum(p.flops for p in completed)
+    one_per_point = sum(r["C"] for r in points)  # each point trained by its own run
+    warnings = [
+        f"{p.name}: {rows[p.name][-1]['epochs']:.1f} epochs over the training tokens (> sweep.max_epochs="
+        f"{spec.sweep.max_epochs:g}): a data-constrained point; add data or lower the budgets"
+        for p in completed
+        if (rows[p.name][-1]["epochs"] or 0) > spec.sweep.max_epochs
+    ]
+    concurrency = min(spec.sweep.max_concurrent, max(1, n_run))
+    return SweepResult(
+        path=str(sweep_dir.resolve()),
+        results=str((sweep_dir / RESULTS).resolve()),
+        n_trials=len(plans),
+        n_completed=len(completed),
+        n_stopped=len(plans) - len(completed),
+        n_points=len(points),
+        flops=flops,
+        points_per_flop_gain=one_per_point / flops if flops else 0.0,
+        skipped=skipped,
+        warnings=warnings,
+        mlflow_run_id=run_id,
+        wall_seconds=wall,
+        trial_seconds=trial_seconds,
+        overhead=wall / (trial_seconds / concurrency) if trial_seconds else None,
+    )
 
 
 def _run_trials(
@@ -303,7 +444,7 @@ def _run_trials(
     scheduler = (
         ASHAScheduler(
             time_attr="step",
-            max_t=max(p.steps for p, _ in todo),
+            max_t=max(p.steps[-1] for p, _ in todo),
             grace_period=sweep.grace_steps,
             reduction_factor=sweep.reduction_factor,
         )
@@ -339,11 +480,11 @@ def _run_trials(
     for result in grid:
         plan = todo[result.config["trial"]][0]
         metrics = result.metrics or {}
-        if "row" in metrics:
-            rows[plan.name] = metrics["row"]
-            trial_seconds += metrics["row"]["wall_seconds"]
+        if "rows" in metrics:
+            rows[plan.name] = metrics["rows"]
+            trial_seconds += metrics["rows"][-1]["wall_seconds"]
         elif result.error is None:  # stopped by the scheduler
-            rows[plan.name] = trial_row(plan, None, 0.0, "stopped", metrics.get("train_loss"))
+            rows[plan.name] = trial_rows(plan, None, 0.0, "stopped", metrics.get("train_loss"), 0)
         else:
             raise RuntimeError(f"sweep trial {plan.name} failed: {result.error}") from result.error
     return wall, trial_seconds
@@ -368,7 +509,7 @@ def _progress_callback(progress: TrialProgress, done: int, total: int) -> Any:
         def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
             self.done += 1
             if self.progress is not None:
-                row = (trial.last_result or {}).get("row", {"status": "stopped"})
-                self.progress(self.done, self.total, row)
+                rows = (trial.last_result or {}).get("rows", [{"status": "stopped"}])
+                self.progress(self.done, self.total, rows[-1])
 
     return ProgressCallback(progress, done, total)

@@ -127,7 +127,10 @@ def test_a_stage_objective_replaces_the_loss_and_adds_metrics(tmp_path: Path) ->
 def random_batches(n: int) -> list[Batch]:
     generator = torch.Generator().manual_seed(3)
     return [
-        Batch(torch.randint(0, 64, (2, 8), generator=generator), torch.randint(0, 64, (2, 8), generator=generator))
+        Batch(
+            torch.randint(0, 64, (2, 8), generator=generator),
+            torch.randint(0, 64, (2, 8), generator=generator),
+        )
         for _ in range(n)
     ]
 
@@ -143,8 +146,12 @@ def wsd_run(tmp_path: Path, max_steps: int, horizons: tuple[int, ...] = ()) -> t
     train = TrainConfig(seq_len=8, micro_batch_size=2, max_steps=max_steps, eval_every=100, horizons=horizons)
     setup = LoopSetup(run_dir=tmp_path, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
     batches = random_batches(max_steps + 10)
-    train_loop(engine, Fixed(batches), lambda: iter(batches[:1]), train, optim, setup, NullTracker(), LoopState())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, read_jsonl(tmp_path / "metrics.jsonl")
+    train_loop(
+        engine, Fixed(batches), lambda: iter(batches[:1]), train, optim, setup, NullTracker(), LoopState()
+    )
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, read_jsonl(
+        tmp_path / "metrics.jsonl"
+    )
 
 
 def test_decay_branches_match_separate_runs_and_leave_the_main_run_unchanged(tmp_path: Path) -> None:

@@ -69,7 +69,9 @@ def test_coordinate_check(mup: bool, flat: bool) -> None:
 
 def test_mup_is_standard_at_base_width() -> None:
     """At m = 1 μP changes nothing but the attention scale (attn_mult / head_dim)."""
-    base = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=96, max_seq_len=32)
+    base = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=96, max_seq_len=32
+    )
     head_dim = base.head_dim
     mup = base.model_copy(update={"mup": MuPConfig(base_width=32, attn_mult=head_dim**0.5)})
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
