@@ -207,6 +207,7 @@ def run_fit_scaling(
     starts: np.ndarray | None = None,
     plots: bool = True,
     param_count: str = "matmul",
+    moe: bool | None = None,
     write: bool = True,
 ) -> ScalingFit:
     """Fit a results table (Parquet/CSV path or points) and write fit.json, the bootstrap laws and the plots
@@ -236,7 +237,9 @@ def run_fit_scaling(
         approach2=approach2_summary(iso, iso_error),
         optimal=compute_optimal(points, result.law, boot.samples, budget),
         holdout=holdout_check(points, starts),
-        moe=bool(np.any(points.n_total > points.n * 1.0001)),
+        # a table says MoE when its total parameters are well above the active ones (norms and an untied
+        # embedding alone never double a dense model)
+        moe=moe if moe is not None else bool(np.any(points.n_total > 2.0 * points.n)),
         param_count=param_count,
         approach2_n_opt=float(iso.n_opt(budget)) if iso and iso.n_opt else None,
     )

@@ -57,7 +57,7 @@ def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
         )
     points = points_from_table(chosen.select(["N", "N_total", "D", "C", "loss"]), source=str(results))
     return ScalingPoints(
-        points.n, points.d, points.loss, points.c, points.n_total, len(table) - len(best), points.source
+        points.n, points.d, points.loss, points.c, points.n_total, len(table) - len(points), points.source
     )
 
 
@@ -180,12 +180,10 @@ def size_for_budget(
     sized = recipe.override(
         {
             "model": model.model_dump(mode="json"),
-            "train.global_batch_size": shape.batch,
-            "train.micro_batch_size": shape.micro_batch,
+            **shape.overrides(),
             "train.max_steps": steps,
             "train.eval_every": every,
             "train.checkpoint_every": every,
-            "optim.warmup_steps": shape.warmup,
         }
     )
     tokens = steps * shape.tokens_per_step

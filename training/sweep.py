@@ -53,6 +53,27 @@ class SweepSpec(BaseModel):
     tracking: TrackingConfig = TrackingConfig()
 
 
+class RunShape(BaseModel):
+    """Batch, horizons, warmup and evaluation size of one run, from the sweep's rules (shared by the trials
+    and the rung)."""
+
+    batch: int
+    micro_batch: int
+    steps: list[int]
+    warmup: int
+    tokens_per_step: int
+    eval_batches: int  # so that every run is validated on the same sequences, whatever its micro-batch
+
+    def overrides(self) -> dict[str, Any]:
+        """The training settings this shape fixes (the horizons and evaluation cadence are the caller's)."""
+        return {
+            "train.global_batch_size": self.batch,
+            "train.micro_batch_size": self.micro_batch,
+            "train.eval_batches": self.eval_batches,
+            "optim.warmup_steps": self.warmup,
+        }
+
+
 class TrialPlan(BaseModel):
     """One run: a model size trained for D = C / (6·N) tokens at its largest budget C (rounded to whole steps),
     decaying a branch at each smaller budget's D when the sweep is multi-horizon."""
@@ -60,17 +81,26 @@ class TrialPlan(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     budgets: list[float]  # one point per budget, ascending; the last is the run's own horizon
-    steps: list[int]  # optimizer steps per budget
     depth: int
     width: int
     lr: float
     n_active: int  # N under the sweep's parameter-count convention (what 6·N·D counts)
     n_total: int
-    batch: int  # sequences per optimizer step
-    warmup: int
-    tokens_per_step: int
+    shape: RunShape  # batch, steps per budget, warmup
     decay_fraction: float  # WSD's share of each horizon spent decaying
     model: dict[str, Any]
+
+    @property
+    def steps(self) -> list[int]:
+        return self.shape.steps
+
+    @property
+    def batch(self) -> int:
+        return self.shape.batch
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.shape.tokens_per_step
 
     @property
     def flops(self) -> float:
@@ -128,19 +158,10 @@ def count_n(model: ModelConfig, convention: str) -> int:
     return counts.matmul_active - (counts.lm_head or counts.embedding)
 
 
-class RunShape(BaseModel):
-    """Batch, horizons and warmup of one run, from the sweep's rules (shared by the trials and the rung)."""
-
-    batch: int
-    micro_batch: int
-    steps: list[int]
-    warmup: int
-    tokens_per_step: int
-
-
 def run_shape(base: PretrainSpec, sweep: SweepConfig, n: int, budgets: list[float]) -> RunShape:
-    """The global batch (∝ D^batch_exponent at the largest budget, a power of two), each budget's step count and
-    the warmup (a share of the shortest horizon, or the recipe's warmup capped at a tenth of it)."""
+    """The global batch (∝ D^batch_exponent at the largest budget, a power of two), each budget's step count,
+    the warmup (a share of the shortest horizon, or the recipe's warmup capped at a tenth of it) and the
+    evaluation batches that cover the recipe's validation sequences."""
     train, world = base.train, base.parallel.world_size
     batch = train.global_batch(world)
     if sweep.batch_exponent and sweep.reference_tokens:
@@ -155,7 +176,12 @@ def run_shape(base: PretrainSpec, sweep: SweepConfig, n: int, budgets: list[floa
     else:
         warmup = min(base.optim.warmup_steps, max(1, min(steps) // 10))
     return RunShape(
-        batch=batch, micro_batch=micro, steps=steps, warmup=warmup, tokens_per_step=tokens_per_step
+        batch=batch,
+        micro_batch=micro,
+        steps=steps,
+        warmup=warmup,
+        tokens_per_step=tokens_per_step,
+        eval_batches=math.ceil(train.eval_batches * train.micro_batch_size / micro),
     )
 
 
@@ -190,15 +216,12 @@ def plan_trials(spec: SweepSpec) -> tuple[list[TrialPlan], list[str]]:
                 plans.append(
                     TrialPlan(
                         budgets=[c for c, _ in kept],
-                        steps=shape.steps,
                         depth=size.depth,
                         width=model.d_model,
                         lr=lr,
                         n_active=n,
                         n_total=count_parameters(model).total,
-                        batch=shape.batch,
-                        warmup=shape.warmup,
-                        tokens_per_step=shape.tokens_per_step,
+                        shape=shape,
                         decay_fraction=base.optim.decay_fraction,
                         model=model.model_dump(mode="json"),
                     )
@@ -214,14 +237,12 @@ def trial_spec(spec: SweepSpec, plan: TrialPlan, parent_run_id: str | None) -> P
         "name": f"{spec.name}-sweep-{plan.name}",
         "output_dir": str(Path(spec.output_dir).resolve()),
         "model": plan.model,
-        "train.global_batch_size": plan.batch,
-        "train.micro_batch_size": min(base.train.micro_batch_size, plan.batch // base.parallel.world_size),
+        **plan.shape.overrides(),
         "train.max_steps": plan.steps[-1],
         "train.horizons": plan.steps[:-1],
         "train.eval_every": plan.steps[-1],
         "train.checkpoint_every": plan.steps[-1],
         "optim.lr": plan.lr,
-        "optim.warmup_steps": plan.warmup,
         "probe": spec.sweep.probe,
         "tracking.parent_run_id": parent_run_id,
     }
@@ -264,7 +285,7 @@ def trial_rows(
                 "C": 6.0 * plan.n_active * tokens,
                 "steps": steps,
                 "batch": plan.batch,
-                "warmup": plan.warmup,
+                "warmup": plan.shape.warmup,
                 "epochs": tokens / train_tokens if train_tokens else None,
                 "loss": end.get("horizon/val_loss") if ref else None,
                 "task_loss": end.get("horizon/probe_bpb"),

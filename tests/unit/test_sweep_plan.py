@@ -1,0 +1,86 @@
+"""Planning a scaling sweep (no training): sizes, multi-horizon runs, the batch and warmup rules, and what the
+fit is told when a sweep has nothing usable."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from evaluation.scaling_data import ScalingDataError
+from flows.recipe import load_recipe
+from flows.scaling import rung_size, size_for_budget, sweep_points
+from training.sweep import count_n, plan_trials
+
+
+def demo(*overrides: str):
+    return load_recipe("demo", ["output_dir=/tmp/unused", *overrides])
+
+
+def test_demo_sweep_brackets_a_decade_with_one_run_per_size():
+    recipe = demo()
+    plans, skipped = plan_trials(recipe.sweep_spec())
+    assert not skipped and len(plans) == len(recipe.sweep.sizes) == 7
+    sizes = [p.n_active for p in plans]
+    assert sizes == sorted(sizes) and sizes[-1] / sizes[0] >= 10
+    for plan in plans:
+        assert plan.budgets == sorted(recipe.sweep.budgets)  # one point per budget
+        assert plan.steps == sorted(plan.steps) and plan.steps[0] >= 30  # a floor of steps on every point
+        assert plan.shape.warmup == round(0.1 * plan.steps[0])
+        assert plan.batch & (plan.batch - 1) == 0  # a power of two
+        for budget, steps in zip(plan.budgets, plan.steps, strict=True):
+            assert 6 * plan.n_active * steps * plan.tokens_per_step == pytest.approx(budget, rel=0.05)
+    # more tokens, a larger batch: the smallest model trains with the largest batch
+    assert plans[0].batch > plans[-1].batch
+
+
+def test_multi_horizon_costs_less_than_a_run_per_point():
+    recipe = demo()
+    multi, _ = plan_trials(recipe.sweep_spec())
+    single, _ = plan_trials(recipe.override({"sweep.multi_horizon": False}).sweep_spec())
+    assert len(single) == 4 * len(multi)
+    assert sum(p.flops for p in single) / sum(p.flops for p in multi) > 1.4
+
+
+def test_multi_horizon_needs_wsd():
+    with pytest.raises(ValueError, match="optim.schedule=wsd"):
+        plan_trials(demo("optim.schedule=cosine").sweep_spec())
+
+
+def test_parameter_count_convention():
+    recipe = demo()
+    model = recipe.model
+    assert count_n(model, "matmul") - count_n(model, "non_embedding") == model.vocab_size * model.d_model
+
+
+def test_rung_is_sized_by_the_sweeps_rules():
+    recipe = demo()
+    rung, note = size_for_budget(recipe, 1.0e5, 1.2e12, (1.2e4, 2.5e5))
+    n, d = rung_size(rung)
+    assert n == pytest.approx(1.0e5, rel=0.25) and 6 * n * d == pytest.approx(1.2e12, rel=0.05)
+    assert rung.optim.warmup_steps == round(0.1 * rung.train.max_steps)
+    assert "extrapolation" not in note
+    _, outside = size_for_budget(recipe, 1.0e6, 1.2e12, (1.2e4, 2.5e5))
+    assert "outside the swept sizes" in outside
+
+
+def results_table(tmp_path, statuses, losses):
+    rows = [
+        {"N": 1000 * (i + 1), "N_total": 1000 * (i + 1), "D": 1e6, "C": 6e9 * (i + 1), "loss": loss, "status": s}
+        for i, (s, loss) in enumerate(zip(statuses, losses, strict=True))
+    ]
+    path = tmp_path / "results.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_a_sweep_where_every_run_diverged_is_refused_with_the_reason(tmp_path):
+    path = results_table(tmp_path, ["diverged"] * 3 + ["stopped"], [None] * 4)
+    with pytest.raises(ScalingDataError, match="3 diverged, 1 stopped.*lower optim.lr"):
+        sweep_points(path)
+
+
+def test_nan_and_negative_losses_are_dropped_and_counted(tmp_path):
+    path = results_table(tmp_path, ["completed"] * 4, [3.0, float("nan"), -1.0, 2.5])
+    points = sweep_points(path)
+    assert len(points) == 2 and points.dropped == 2
