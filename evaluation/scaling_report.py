@@ -292,8 +292,40 @@ def headline(fit: ScalingFit) -> str:
     if a2.get("n_opt"):
         lines.append(
             f"Approach 2 ({len(a2['parabolas'])} IsoFLOP parabolas): N_opt ∝ C^{a2['n_opt']['exponent']:.3f}, "
-            f"D_opt ∝ C^{a2['d_opt']['exponent']:.3f}"
+            f"D_opt ∝ C^{a2['d_opt']['exponent']:.3f}; N_opt={fit.approach2_n_opt:.4g} at C={opt.budget:.3g} "
+            f"({fit.approach2_n_opt / opt.n_opt:.2f}x Approach 3's)"
         )
     elif a2.get("skipped"):
         lines.append(f"Approach 2 skipped: {a2['skipped']}")
+    for reason in a2.get("skipped_budgets") or []:
+        lines.append(f"  left out of Approach 2: {reason}")
+    lines.append(
+        f"N counts {fit.param_count} parameters (matmul: every matrix multiply per token, head included)"
+    )
+    rung = fit.rung
+    if rung is not None:
+        line = (
+            f"Rung N={rung.n:,.0f}, D={rung.d:,.0f}: predicted loss {rung.loss:.4f} "
+            f"[{rung.interval[0]:.4f}, {rung.interval[1]:.4f}]"
+        )
+        if rung.measured_loss is not None:
+            verdict = "held" if rung.held else "did not hold"
+            line += (
+                f", measured {rung.measured_loss:.4f} (error {rung.rel_error:.2%}: the prediction {verdict})"
+            )
+        lines.append(line)
+        if rung.task_loss is not None:
+            line = (
+                f"  HumanEval bits/byte predicted {rung.task_loss:.4f} "
+                f"[{rung.task_interval[0]:.4f}, {rung.task_interval[1]:.4f}]"
+            )
+            if rung.measured_task_loss is not None:
+                line += f", measured {rung.measured_task_loss:.4f} (error {rung.task_rel_error:.2%})"
+            lines.append(line)
+    if fit.contamination:
+        c = fit.contamination
+        lines.append(
+            f"Contamination: {c['prompts_found']} of {c['problems']} HumanEval prompts and {c['solutions_found']} "
+            f"canonical solutions occur verbatim in the training shards {c['found'] or ''}"
+        )
     return "\n".join(lines)

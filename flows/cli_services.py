@@ -85,12 +85,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    if "law" in summary:
-        law, ci = summary["law"], summary["intervals"]
-        print(
-            f"\nScaling law: L(N,D) = {law['E']:.3f} + {law['A']:.4g}/N^{law['alpha']:.3f} + {law['B']:.4g}/D^{law['beta']:.3f}"
-            f"   (alpha 95% [{ci['alpha'][0]:.3f}, {ci['alpha'][1]:.3f}], beta [{ci['beta'][0]:.3f}, {ci['beta'][1]:.3f}])"
-        )
+    if "scaling" in summary:
+        print("\nScaling law (sweep → fit → rung):\n" + summary["scaling"])
         print(f"Chosen size: {summary['chosen']}")
     if "eval" in summary:
         print("\nEvaluation (last model; full table in " + summary["report"] + "):")

@@ -202,8 +202,14 @@ def pipeline(
     numbers = {"val loss": base.final_val_loss, "steps": base.step, "export verified": base.export_valid}
     run.publish("pretrain", recipe, numbers, base.mlflow_run_id)
     if law is not None:
+        from evaluation.scaling_report import headline
+
         law = timed(times, "check", run, check, recipe, result, law, base)
-        summary["rung"] = fit_headline(law)
+        summary |= {
+            "rung": fit_headline(law),
+            "scaling": headline(law),
+            "fit": str(Path(result.path) / "fit"),
+        }
         run.publish("fit", recipe, {**summary["rung"], "chosen size": note}, result.mlflow_run_id)
     models, heldout = [base], None
     if options.finetune:

@@ -111,7 +111,17 @@ def test_mlflow_holds_the_lineage(served_run):
         "fit/fit.json",
         "fit/isoflop.png",
         "fit/contours.png",
+        "fit/prediction.png",
     }
+    # the rung (the model trained at the target budget) was predicted, then measured
+    rung_metrics = children["pretrain"].data.metrics
+    assert rung_metrics["fit/rung_rel_error"] == pytest.approx(
+        abs(
+            rung_metrics["fit/rung_measured_loss"]
+            - client.get_run(sweep.info.run_id).data.metrics["fit/rung_predicted_loss"]
+        )
+        / rung_metrics["fit/rung_measured_loss"]
+    )
     assert "results.parquet" in {a.path for a in client.list_artifacts(sweep.info.run_id)}
     assert "hf_export" in {a.path for a in client.list_artifacts(children["pretrain"].info.run_id)}
     sft_artifacts = {a.path for a in client.list_artifacts(children["sft"].info.run_id)}
@@ -120,6 +130,7 @@ def test_mlflow_holds_the_lineage(served_run):
     version = client.get_model_version_by_alias("lmforge-smoke", "candidate")
     assert version.tags["gate.export_verified"] == "true"
     assert Path(version.tags["lmforge.run_dir"]).parent.name == "sft"
+    assert version.tags["scaling.prediction_held"] in ("true", "false")
     mlflow.set_tracking_uri(ml.url)
     model = mlflow.pyfunc.load_model("models:/lmforge-smoke@candidate")
     assert isinstance(model.predict(["def "])[0], str)

@@ -49,7 +49,9 @@ def test_sweep_trains_every_trial_and_writes_the_table(sweep_setup):
     pairs = [(plan, budget, steps) for plan in plans for budget, steps in zip(plan.budgets, plan.steps)]
     for (plan, budget, steps), row in zip(pairs, rows, strict=True):
         assert row["status"] == "completed"
-        assert row["N"] == plan.n_active and row["steps"] == steps and row["D"] == steps * plan.tokens_per_step
+        assert (
+            row["N"] == plan.n_active and row["steps"] == steps and row["D"] == steps * plan.tokens_per_step
+        )
         assert row["C"] == pytest.approx(6 * row["N"] * row["D"])
         assert row["C"] == pytest.approx(budget, rel=0.1)  # whole steps round the token count
         assert 3.0 < row["loss"] < 6.5 and 0.5 < row["task_loss"] < 10  # HumanEval bits per byte

@@ -108,7 +108,7 @@ def test_vocab_mismatch() -> None:
 
 
 def test_depth_clashes_with_explicit_width() -> None:
-    assert "depth=4 derives n_heads" in bad(["model.n_heads=8"], "demo")
+    assert "depth=2 derives n_heads" in bad(["model.n_heads=8"], "demo")
 
 
 def test_several_problems_one_line_each() -> None:

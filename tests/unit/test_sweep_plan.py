@@ -66,7 +66,14 @@ def test_rung_is_sized_by_the_sweeps_rules():
 
 def results_table(tmp_path, statuses, losses):
     rows = [
-        {"N": 1000 * (i + 1), "N_total": 1000 * (i + 1), "D": 1e6, "C": 6e9 * (i + 1), "loss": loss, "status": s}
+        {
+            "N": 1000 * (i + 1),
+            "N_total": 1000 * (i + 1),
+            "D": 1e6,
+            "C": 6e9 * (i + 1),
+            "loss": loss,
+            "status": s,
+        }
         for i, (s, loss) in enumerate(zip(statuses, losses, strict=True))
     ]
     path = tmp_path / "results.parquet"
