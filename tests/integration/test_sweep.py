@@ -46,7 +46,11 @@ def test_sweep_trains_every_trial_and_writes_the_table(sweep_setup):
     rows = pq.read_table(result.results).to_pylist()
     assert len(plans) == result.n_trials == result.n_completed == 2
     assert len(rows) == result.n_points == 4
-    pairs = [(plan, budget, steps) for plan in plans for budget, steps in zip(plan.budgets, plan.steps)]
+    pairs = [
+        (plan, budget, steps)
+        for plan in plans
+        for budget, steps in zip(plan.budgets, plan.steps, strict=True)
+    ]
     for (plan, budget, steps), row in zip(pairs, rows, strict=True):
         assert row["status"] == "completed"
         assert (
