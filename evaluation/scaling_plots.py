@@ -21,7 +21,7 @@ def write_plots(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, fit: An
     """isoflop.png, contours.png, residuals.png and prediction.png for a `ScalingFit`."""
     paths = [out / "isoflop.png", out / "contours.png", out / "residuals.png", out / "prediction.png"]
     _isoflop(points, law, iso, fit, paths[0])
-    _contours(points, law, iso, fit.optimal, paths[1])
+    _contours(points, law, iso, fit.optimal, paths[1], fit.param_count)
     _residuals(points, law, paths[2])
     _prediction(fit, paths[3])
     return paths
@@ -34,13 +34,13 @@ def _isoflop(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, fit: Any, 
     labels = points.budgets()
     budgets = np.unique(labels)
     colours = plt.cm.viridis(np.linspace(0, 0.9, len(budgets)))
-    parabolas = {round(p.budget / b, 6): p for p in (iso.parabolas if iso else []) for b in [p.budget]}
+    parabolas = iso.parabolas if iso else []
     for budget, colour in zip(budgets, colours, strict=True):
         group = labels == budget
         ax.scatter(points.n[group], points.loss[group], s=18, color=colour, label=f"C = {budget:.2g} FLOPs")
         n = np.geomspace(points.n[group].min() / 1.3, points.n[group].max() * 1.3, 100)
         ax.plot(n, law.loss(n, budget / (6 * n)), color=colour, lw=0.8, ls=":")
-        parabola = next((p for p in parabolas.values() if np.isclose(p.budget, budget, rtol=1e-6)), None)
+        parabola = next((p for p in parabolas if np.isclose(p.budget, budget, rtol=1e-6)), None)
         if parabola is not None:
             ax.plot(n, parabola.loss(n), color=colour, lw=1.3)
             ax.plot(parabola.n_opt, parabola.loss_opt, "*", color=colour, ms=12, mec="k", mew=0.5)
@@ -124,7 +124,9 @@ def _prediction(fit: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def _contours(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, optimal: Any, path: Path) -> None:
+def _contours(
+    points: ScalingPoints, law: Law, iso: IsoFlopFit | None, optimal: Any, path: Path, param_count: str
+) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     c_lo, c_hi = points.c.min() / 3, max(points.c.max(), optimal.budget) * 3
     n_lo, n_hi = points.n.min() / 3, max(points.n.max(), optimal.n_opt) * 3
@@ -156,7 +158,7 @@ def _contours(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, optimal: 
         xscale="log",
         yscale="log",
         xlabel="compute C (FLOPs)",
-        ylabel="parameters N",
+        ylabel=f"parameters N ({param_count})",
         title="Fitted loss L(N, C/6N)",
     )
     ax.legend(fontsize=8)

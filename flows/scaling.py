@@ -123,7 +123,7 @@ def rung_size(recipe: Recipe) -> tuple[float, float]:
 
 def check_rung(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedModel) -> ScalingFit:
     """The rung's measured loss (and task loss) against the prediction made before it trained: rewrites fit.json
-    and the plots, and logs `fit/rung_rel_error` to the sweep's and the rung's MLflow runs."""
+    and the plots, and logs `fit/rung_rel_error` with them to the sweep's, the rung's and the pipeline's runs."""
     if fit.rung is None or model.final_val_loss is None:
         return fit
     task = [m["probe/bpb"] for m in read_metrics(model.run_dir) if "probe/bpb" in m]
@@ -141,7 +141,8 @@ def check_rung(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: Train
     }
     if rung.task_rel_error is not None:
         metrics["fit/rung_task_rel_error"] = rung.task_rel_error
-    for run_id in (sweep.mlflow_run_id, model.mlflow_run_id):
+    parent = recipe.tracking.parent_run_id  # the pipeline's run, when there is one
+    for run_id in dict.fromkeys(r for r in (sweep.mlflow_run_id, model.mlflow_run_id, parent) if r):
         tracker = existing_run(recipe.tracking, recipe.output_dir, run_id).tracker()
         tracker.log_metrics(metrics, step=0)
         for name in (FIT_FILE, *PLOTS):

@@ -21,6 +21,10 @@ class TaskProbe:
         self.pairs = [p for p in pairs if len(p.continuation) < window]
         self.dropped = len(pairs) - len(self.pairs)  # continuations longer than the window
         self.window, self.batch_size = window, batch_size
+        if not self.pairs:
+            raise ValueError(
+                f"no task continuation fits the {window}-token training window; raise train.seq_len or drop the probe"
+            )
 
     def sequences(self) -> list[tuple[list[int], int]]:
         """(tokens, number of leading context tokens) per pair, at most `window` + 1 tokens."""
@@ -55,4 +59,8 @@ class TaskProbe:
             )
             n_tokens += int((targets != IGNORE_INDEX).sum())
         n_bytes = sum(p.n_bytes for p in self.pairs)
-        return {"probe/bpb": nats / (math.log(2) * n_bytes), "probe/loss": nats / n_tokens}
+        return {
+            "probe/bpb": nats / (math.log(2) * n_bytes),
+            "probe/loss": nats / n_tokens,
+            "probe/tasks": float(len(self.pairs)),
+        }

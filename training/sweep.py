@@ -1,9 +1,13 @@
-"""Stage: the scaling sweep. `run_sweep(spec, data) -> SweepResult` trains one model per (budget, size[, lr])
-as Ray Tune trials, each a full `run_pretrain`, and writes a results table for the scaling-law fit.
+"""Stage: the scaling sweep. `run_sweep(spec, data) -> SweepResult` trains the sweep's model sizes as Ray Tune
+trials, each a full `run_pretrain`, and writes a results table (one row per (N, D) point) for the scaling fit.
 
-Every trial is an ordinary cached pretraining step (nested in MLflow under the sweep's run): the sweep asks the
-step protocol which trials are finished, so a rerun skips them and resumes interrupted ones; the sweep itself is
-a cached step too. The only module that imports `ray.tune`.
+A trial is one size trained for D = C / (6·N) tokens at a budget C; with `sweep.multi_horizon` it is one WSD run
+to the largest budget that decays a branch at every smaller budget's token count (OLMo-core's and Marin's
+ladders), so one run yields a point per budget. The batch grows with the run's tokens and warmup is a share of
+the shortest horizon (`run_shape`, also used to size the rung). Every trial is an ordinary cached pretraining
+step (nested in MLflow under the sweep's run): the sweep asks the step protocol which trials are finished, so a
+rerun skips them and resumes interrupted ones; the sweep itself is a cached step too. The only module that
+imports `ray.tune`.
 """
 
 from __future__ import annotations
