@@ -384,8 +384,8 @@ def _sweep(
             else:
                 todo.append((plan, trial))
         if progress:
-            for done_rows in rows.values():
-                progress(len(rows), len(plans), done_rows[-1])
+            for done, done_rows in enumerate(rows.values(), start=1):
+                progress(done, len(plans), done_rows[-1])
         wall, trial_seconds = _run_trials(spec.sweep, todo, data, rows, progress, len(plans), sweep_dir)
         missing = [p.name for p in plans if p.name not in rows]
         if missing:  # Tune stops gracefully on Ctrl-C; hand the interrupt back to the caller

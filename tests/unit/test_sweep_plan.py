@@ -91,3 +91,30 @@ def test_nan_and_negative_losses_are_dropped_and_counted(tmp_path):
     path = results_table(tmp_path, ["completed"] * 4, [3.0, float("nan"), -1.0, 2.5])
     points = sweep_points(path)
     assert len(points) == 2 and points.dropped == 2
+
+
+def test_a_failed_fit_is_never_cached(tmp_path):
+    """The fit of a sweep whose runs all diverged refuses, and leaves no fit.json to be taken as finished."""
+    from flows.scaling import fit_sweep
+    from training.sweep import SweepResult
+
+    path = results_table(tmp_path, ["diverged"] * 4, [None] * 4)
+    sweep = SweepResult(
+        path=str(tmp_path),
+        key="k",
+        results=str(path),
+        n_trials=4,
+        n_completed=0,
+        n_stopped=4,
+        n_points=0,
+        flops=0.0,
+        points_per_flop_gain=0.0,
+        skipped=[],
+        mlflow_run_id=None,
+        wall_seconds=0.0,
+        trial_seconds=0.0,
+        overhead=None,
+    )
+    with pytest.raises(ScalingDataError, match="no sweep run finished"):
+        fit_sweep(demo("tracking.enabled=false"), sweep, data=None)
+    assert not (tmp_path / "fit" / "fit.json").exists()
