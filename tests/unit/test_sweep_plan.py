@@ -20,7 +20,7 @@ def demo(*overrides: str):
 def test_demo_sweep_brackets_a_decade_with_one_run_per_size():
     recipe = demo()
     plans, skipped = plan_trials(recipe.sweep_spec())
-    assert not skipped and len(plans) == len(recipe.sweep.sizes) == 6
+    assert not skipped and len(plans) == len(recipe.sweep.sizes) == 7
     sizes = [p.n_active for p in plans]
     assert sizes == sorted(sizes) and sizes[-1] / sizes[0] >= 10
     for plan in plans:
