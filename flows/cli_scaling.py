@@ -15,6 +15,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Tokenize (cached), run the recipe's sweep as Ray Tune trials with live progress, then fit the results."""
     from evaluation.scaling_report import headline
     from flows.cli import bar_runner
+    from flows.scaling import fit_dir, target_budget
     from flows.stages import fit, swept, tokens
     from training.sweep import plan_trials
 
@@ -40,7 +41,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         with bar_runner() as run:
             law = fit(recipe, result, run("tokenize", tokens, recipe))
         print(headline(law))
-        print(f"fit       {Path(result.path) / 'fit'}")
+        print(f"fit       {fit_dir(result, target_budget(recipe))}")
     return 0
 
 

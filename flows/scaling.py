@@ -1,7 +1,8 @@
 """The scaling stages as the CLI and the pipeline run them: sweep (Ray Tune) then fit, logged to MLflow.
 
-The fit of a sweep lives in `<sweep dir>/fit/` (so it is content-addressed by the sweep) and is attached to
-the sweep's MLflow run: fit.json, the plots and the law's numbers as metrics.
+The fit of a sweep for a target budget lives in `<sweep dir>/fit-C<budget>/` (so it is content-addressed by the
+sweep) and is attached to the sweep's MLflow run: fit.json, the plots and the law's numbers as metrics; after
+the rung has trained, its check rewrites fit.json and the plots there.
 """
 
 from __future__ import annotations
@@ -66,16 +67,26 @@ def target_budget(recipe: Recipe) -> float:
     return float(recipe.sweep.target_budget or max(recipe.sweep.budgets))
 
 
+def fit_dir(sweep: SweepResult, budget: float) -> Path:
+    """Where the fit of a sweep for a target budget lives (content-addressed by the sweep)."""
+    return Path(sweep.sweep_dir) / f"fit-C{budget:.3g}".replace("+", "")
+
+
 def fit_sweep(
-    recipe: Recipe, sweep: SweepResult, data: DatasetManifest, n_bootstrap: int = 2000
+    recipe: Recipe,
+    sweep: SweepResult,
+    data: DatasetManifest,
+    budget: float | None = None,
+    n_bootstrap: int = 2000,
 ) -> ScalingFit:
-    """Fit the sweep's results (cached in `<sweep dir>/fit/`, written only once complete), size the rung and
-    predict its loss (and the probe's task loss) before it trains; log the fit to the sweep's MLflow run."""
-    out = Path(sweep.sweep_dir) / "fit"
+    """Fit the sweep's results (cached in `fit_dir`, written only once complete), size the rung for `budget`
+    (default `target_budget`) and predict its loss (and the probe's task loss) before it trains; log the fit to
+    the sweep's MLflow run."""
+    budget = budget or target_budget(recipe)
+    out = fit_dir(sweep, budget)
     if (out / FIT_FILE).is_file():
         return ScalingFit.load(out)
     points = sweep_points(sweep.results)
-    budget = target_budget(recipe)
     fit = run_fit_scaling(
         points,
         out,
@@ -130,7 +141,7 @@ def check_rung(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: Train
     checked = fit.model_copy(
         update={"rung": fit.rung.check(model.final_val_loss, task[-1] if task else None)}
     )
-    out = Path(sweep.sweep_dir) / "fit"
+    out = fit_dir(sweep, fit.optimal.budget)
     write_fit_plots(checked, sweep_points(sweep.results), out)
     checked.save(out)
     rung = checked.rung

@@ -40,10 +40,10 @@ def sweep(recipe: Recipe, data: DatasetManifest, progress: TrialProgress | None 
     return run_sweep(recipe.sweep_spec(), data, progress=progress)
 
 
-def fit(recipe: Recipe, swept: SweepResult, data: DatasetManifest) -> ScalingFit:
+def fit(recipe: Recipe, swept: SweepResult, data: DatasetManifest, budget: float | None = None) -> ScalingFit:
     from flows.scaling import fit_sweep
 
-    return fit_sweep(recipe, swept, data)
+    return fit_sweep(recipe, swept, data, budget)
 
 
 def check(recipe: Recipe, swept: SweepResult, law: ScalingFit, rung: TrainedModel) -> ScalingFit:
@@ -165,7 +165,7 @@ def pipeline(
 ) -> dict[str, Any]:
     """Raw text to an evaluated, registered model; returns the summary (stage times, law, eval, registry).
     `on_data` sees the token shards as soon as they exist (the pipeline flow logs them as an MLflow input)."""
-    from flows.scaling import size_for_budget, target_budget
+    from flows.scaling import fit_dir, size_for_budget, target_budget
 
     times: dict[str, float] = {}
     summary: dict[str, Any] = {}
@@ -189,8 +189,8 @@ def pipeline(
             "results": result.results,
         }
         run.publish("sweep", recipe, numbers, result.mlflow_run_id)
-        law = timed(times, "fit", run, fit, recipe, result, data)
         budget = options.budget or target_budget(recipe)
+        law = timed(times, "fit", run, fit, recipe, result, data, budget)
         sizes = [row["N"] for row in pq.read_table(result.results, columns=["N"]).to_pylist()]
         final, note = size_for_budget(
             recipe, float(law.to_law().optimal_n(budget)), budget, (min(sizes), max(sizes))
@@ -208,7 +208,7 @@ def pipeline(
         summary |= {
             "rung": fit_headline(law),
             "scaling": headline(law),
-            "fit": str(Path(result.path) / "fit"),
+            "fit": str(fit_dir(result, budget)),
         }
         run.publish("fit", recipe, {**summary["rung"], "chosen size": note}, result.mlflow_run_id)
     models, heldout = [base], None

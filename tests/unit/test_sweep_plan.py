@@ -117,4 +117,4 @@ def test_a_failed_fit_is_never_cached(tmp_path):
     )
     with pytest.raises(ScalingDataError, match="no sweep run finished"):
         fit_sweep(demo("tracking.enabled=false"), sweep, data=None)
-    assert not (tmp_path / "fit" / "fit.json").exists()
+    assert not list(tmp_path.rglob("fit.json"))
