@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,6 +75,10 @@ class Tracker(Protocol):
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
 
+    def flush(self) -> None:
+        """Send buffered metrics (a tracker may buffer them; see `MLflowTracker`)."""
+        ...
+
 
 class NullTracker:
     """Logs nothing: ranks other than 0, unit tests, and runs with tracking disabled."""
@@ -85,6 +90,9 @@ class NullTracker:
         pass
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
 
@@ -123,11 +131,12 @@ class TrackedRun(BaseModel):
     def enabled(self) -> bool:
         return self.uri is not None and self.run_id is not None
 
-    def tracker(self, rank: int = 0) -> Tracker:
-        """MLflow on rank 0 of an enabled run, else a tracker that logs nothing."""
+    def tracker(self, rank: int = 0, buffer_seconds: float = 0.0) -> Tracker:
+        """MLflow on rank 0 of an enabled run, else a tracker that logs nothing; `buffer_seconds` > 0 batches
+        metrics (the training loop's per-step metrics: one store write per step doubled small models' steps)."""
         if rank != 0 or not self.enabled:
             return NullTracker()
-        return MLflowTracker(self.uri, self.run_id)
+        return MLflowTracker(self.uri, self.run_id, buffer_seconds)
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.enabled:
@@ -213,13 +222,19 @@ def tracked_run(
 
 
 class MLflowTracker:
-    """Logs to one existing MLflow run by id (rank 0 of a training job)."""
+    """Logs to one existing MLflow run by id (rank 0 of a training job). With `buffer_seconds` > 0, metrics are
+    sent in batches at most that often (and on `flush`, which the owner calls when it is done)."""
 
-    def __init__(self, uri: str, run_id: str) -> None:
+    MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch
+
+    def __init__(self, uri: str, run_id: str, buffer_seconds: float = 0.0) -> None:
         import mlflow
 
         self.client = mlflow.MlflowClient(uri)
         self.run_id = run_id
+        self.buffer_seconds = buffer_seconds
+        self.pending: list[Any] = []
+        self.flushed = time.monotonic()
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -230,14 +245,18 @@ class MLflowTracker:
             self.client.log_batch(self.run_id, params=fresh[start : start + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(
-            self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]
-        )
+        self.pending += [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        if time.monotonic() - self.flushed >= self.buffer_seconds or len(self.pending) >= self.MAX_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        while self.pending:
+            batch, self.pending = self.pending[: self.MAX_BATCH], self.pending[self.MAX_BATCH :]
+            self.client.log_batch(self.run_id, metrics=batch)
+        self.flushed = time.monotonic()
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if Path(path).is_dir():

@@ -230,7 +230,11 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
     state = resume(engine, loader, setup)
     val = (lambda: val_loader.epoch_batches(train.eval_batches)) if val_loader is not None else None
     objective = job.stage.objective(job)
-    train_loop(engine, loader, val, train, spec.optim, setup, job.run.tracker(rank), state, objective)
+    tracker = job.run.tracker(rank, buffer_seconds=2.0)
+    try:
+        train_loop(engine, loader, val, train, spec.optim, setup, tracker, state, objective)
+    finally:  # metrics up to a crash are kept too
+        tracker.flush()
 
 
 def peak_flops_for(
