@@ -59,9 +59,14 @@ def every_tenth(total: int, name: str) -> StepProgress:
 
 
 def trial_line(row: dict[str, Any]) -> str:
-    """One finished sweep trial: size, budget, status and validation loss."""
+    """One finished sweep run: size, its largest budget, status and validation loss there."""
     loss = f", val loss {row['loss']:.4f}" if row.get("loss") is not None else ""
-    return f"depth {row.get('depth')} C={row.get('budget', 0):.3g} {row.get('status')}{loss}"
+    size = (
+        f"depth {row.get('depth')} width {row.get('width')}"
+        if row.get("width")
+        else f"depth {row.get('depth')}"
+    )
+    return f"{size} C={row.get('budget', 0):.3g} {row.get('status')}{loss}"
 
 
 def print_trial(done: int, total: int, row: dict[str, Any]) -> None:
