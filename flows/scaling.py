@@ -177,10 +177,10 @@ def size_for_budget(
     it and a one-line explanation (which flags an N* outside the `swept` sizes)."""
     from training.sweep import count_n, run_shape, sized_model
 
-    head = recipe.model.head_dim
+    step = recipe.model.head_dim * (recipe.model.n_heads // recipe.model.n_kv_heads)  # whole kv groups
     candidates = []
     for depth in range(1, 9):
-        for width in range(head, 64 * depth + 1, head):
+        for width in range(step, 64 * depth + 1, step):
             if 16 <= width / depth <= 48 or depth == 1:
                 model = sized_model(recipe.model, depth, width)
                 n = count_n(model, recipe.sweep.param_count)

@@ -146,8 +146,11 @@ def sized_model(base: ModelConfig, depth: int, width: int | None = None) -> Mode
     fields = base.model_dump(exclude={"d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"})
     if width is None:
         dial = depth_dial(depth, base.d_model // base.n_layers, head_dim, kv_ratio)
-    elif width % head_dim:
-        raise ValueError(f"sweep size width={width} must be a multiple of the head size {head_dim}")
+    elif width % head_dim or (width // head_dim) % kv_ratio:
+        raise ValueError(
+            f"sweep size width={width} must be a multiple of the head size {head_dim} times the kv grouping "
+            f"{kv_ratio} (n_heads / n_kv_heads), i.e. of {head_dim * kv_ratio}"
+        )
     else:
         dial = {**depth_dial(1, width, head_dim, kv_ratio), "n_layers": depth}
     return ModelConfig(**dial, **fields)

@@ -118,3 +118,13 @@ def test_a_failed_fit_is_never_cached(tmp_path):
     with pytest.raises(ScalingDataError, match="no sweep run finished"):
         fit_sweep(demo("tracking.enabled=false"), sweep, data=None)
     assert not list(tmp_path.rglob("fit.json"))
+
+
+def test_rung_sizes_keep_whole_kv_groups():
+    """With grouped-query attention (smoke: 2 query heads per kv head) every candidate width holds whole groups."""
+    recipe = load_recipe("smoke", ["output_dir=/tmp/unused"])
+    for n_opt in (2e4, 5e4, 1.3e5, 4e5):
+        rung, _ = size_for_budget(recipe, n_opt, 1e11)
+        assert rung.model.n_heads % rung.model.n_kv_heads == 0
+    with pytest.raises(ValueError, match="kv grouping"):
+        plan_trials(recipe.override({"sweep.sizes": [{"depth": 2, "width": 80}]}).sweep_spec())
