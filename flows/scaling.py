@@ -93,6 +93,7 @@ def fit_sweep(
         target_budget=budget,
         n_bootstrap=n_bootstrap,
         param_count=recipe.sweep.param_count,
+        moe=recipe.model.moe is not None,
         plots=False,
         write=False,
     )
@@ -172,7 +173,7 @@ def contamination_report(data: DatasetManifest) -> dict[str, Any]:
 def size_for_budget(
     recipe: Recipe, n_opt: float, budget: float, swept: tuple[float, float] | None = None
 ) -> tuple[Recipe, str]:
-    """The recipe at the size nearest N* (in log space; depth 1-8, widths in head-size steps, aspect ratio 16-48
+    """The recipe at the size nearest N* (in log space; depth 1-8, widths in whole kv groups of heads, aspect ratio 16-48
     like the sweep's shapes), with the sweep's batch, horizon and warmup rules for D = C / (6·N) tokens; returns
     it and a one-line explanation (which flags an N* outside the `swept` sizes)."""
     from training.sweep import count_n, run_shape, sized_model
