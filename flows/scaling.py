@@ -173,9 +173,9 @@ def contamination_report(data: DatasetManifest) -> dict[str, Any]:
 def size_for_budget(
     recipe: Recipe, n_opt: float, budget: float, swept: tuple[float, float] | None = None
 ) -> tuple[Recipe, str]:
-    """The recipe at the size nearest N* (in log space; depth 1-8, widths in whole kv groups of heads, aspect ratio 16-48
-    like the sweep's shapes), with the sweep's batch, horizon and warmup rules for D = C / (6·N) tokens; returns
-    it and a one-line explanation (which flags an N* outside the `swept` sizes)."""
+    """The recipe at the size nearest N* (in log space; depth 1-8, widths in whole kv groups of heads, aspect
+    ratio 16-48 like the sweep's shapes), with the sweep's batch, horizon and warmup rules for D = C / (6·N)
+    tokens; returns it and a one-line explanation (which flags an N* outside the `swept` sizes)."""
     from training.sweep import count_n, run_shape, sized_model
 
     step = recipe.model.head_dim * (recipe.model.n_heads // recipe.model.n_kv_heads)  # whole kv groups
