@@ -8,7 +8,8 @@ every weight is exactly 1. A micro-batch whose loss is not finite on any
 rank is not back-propagated (a zero loss keeps the ranks' collectives in step) and the step is taken at learning
 rate 0, so weights stay bit-identical; such steps are counted, and the run stops after `max_bad_steps` in a
 row. (Adam's moments still decay once on a skipped step.) A non-finite gradient norm after a step cannot be
-undone and stops the run at once. Phases: eval, step, log, checkpoint.
+undone and stops the run at once. Phases: eval, (decay branch), step, log, checkpoint. With `train.horizons`
+a WSD run also decays a branch to each shorter horizon and restores its stable state (`decay_branch`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from training.config import OptimConfig, TrainConfig
 from training.engine import Engine, loss_scale
 from training.moe import RouterStats
 from training.objective import Objective, TokenCrossEntropy
-from training.optim import lr_at
+from training.optim import decay_start, lr_at
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,7 @@ class LoopSetup:
     peak_flops: float  # per device
     meta: dict[str, Any]  # written into every checkpoint (config digest, MLflow run id, ...)
     progress: Callable[[int, float, float], None] | None = None  # (step, loss, tokens/s), rank 0
-    probe: Callable[[torch.nn.Module], dict[str, float]] | None = (
-        None  # extra metrics at each final evaluation
-    )
+    probe: Callable[[torch.nn.Module], dict[str, float]] | None = None  # metrics at each final evaluation
 
 
 def all_reduce_sum(value: Tensor) -> Tensor:
@@ -166,11 +165,6 @@ def optimizer_step(
     }
     loss = float(all_reduce_mean(torch.stack(losses).mean())) if losses else float("nan")
     return StepOutcome(loss, grad_norm, metrics)
-
-
-def decay_start(horizon: int, decay_fraction: float) -> int:
-    """The step at which a WSD run of `horizon` steps leaves its stable phase (as `lr_at` decays)."""
-    return horizon - max(1, round(decay_fraction * horizon))
 
 
 def train_loop(

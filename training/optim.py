@@ -88,8 +88,12 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
         span = max(1, max_steps - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
-    decay_steps = max(1, round(cfg.decay_fraction * max_steps))  # WSD
-    decay_start = max_steps - decay_steps
-    if step < decay_start:
+    start = decay_start(max_steps, cfg.decay_fraction)  # WSD
+    if step < start:
         return peak
-    return peak + (floor - peak) * min(1.0, (step - decay_start + 1) / decay_steps)
+    return peak + (floor - peak) * min(1.0, (step - start + 1) / (max_steps - start))
+
+
+def decay_start(horizon: int, decay_fraction: float) -> int:
+    """The step at which a WSD run of `horizon` steps leaves its stable phase."""
+    return horizon - max(1, round(decay_fraction * horizon))

@@ -34,8 +34,9 @@ from infra.tracking import TrackingConfig, tracked_run, tracking_uri
 from training.accounting import count_parameters
 from training.config import SweepConfig
 from training.launch import ensure_ray
-from training.loop import TrainingHalted, decay_start
+from training.loop import TrainingHalted
 from training.model import ModelConfig, depth_dial
+from training.optim import decay_start
 from training.pretrain import PRETRAIN, PretrainSpec, run_pretrain
 from training.stage import TrainedModel, git_revision, read_metrics, training_step
 
