@@ -115,4 +115,6 @@ def _version_of(client: Any, name: str, run_dir: str) -> Any:
         versions = client.search_model_versions(f"name='{name}'")
     except MlflowException:
         return None
-    return next((v for v in versions if v.tags.get("lmforge.run_dir") == run_dir), None)
+    found = next((v for v in versions if v.tags.get("lmforge.run_dir") == run_dir), None)
+    # search results carry no aliases: read the version itself
+    return client.get_model_version(name, found.version) if found is not None else None

@@ -103,6 +103,10 @@ def test_pyfunc_model_generates_and_registry_gates(trained):
         recipe.tracking, recipe.output_dir, lora, "lmforge-test", "candidate", gates, report.out_dir
     )
     assert version.alias == "candidate"
+    again = register(  # a rerun of a finished pipeline finds the version and reports its alias
+        recipe.tracking, recipe.output_dir, lora, "lmforge-test", "candidate", gates, report.out_dir
+    )
+    assert (again.version, again.alias) == (version.version, "candidate")
     uri = tracking_uri(recipe.tracking, recipe.output_dir)
     mlflow.set_tracking_uri(uri)
     model = mlflow.pyfunc.load_model("models:/lmforge-test@candidate")
