@@ -122,6 +122,11 @@ def points_from_table(table: pa.Table, source: str = "") -> ScalingPoints:
 def load_points(path: str | Path, drop_highest: int = 0) -> ScalingPoints:
     """Read a results table; optionally drop the `drop_highest` highest-loss runs (Epoch drop 5 on Chinchilla)."""
     points = points_from_table(read_table(path), source=str(path))
+    if not 0 <= drop_highest < len(points):
+        raise ScalingDataError(
+            f"{path}: --drop-highest {drop_highest} must lie in 0..{len(points) - 1} (the table has {len(points)} "
+            "usable runs)"
+        )
     if drop_highest:
         threshold = np.sort(points.loss)[-drop_highest]
         keep = points.loss < threshold

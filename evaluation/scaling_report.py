@@ -212,6 +212,10 @@ def run_fit_scaling(
 ) -> ScalingFit:
     """Fit a results table (Parquet/CSV path or points) and write fit.json, the bootstrap laws and the plots
     into `out_dir` (with `write=False` the caller adds to the fit and saves it)."""
+    if target_budget is not None and not target_budget > 0:
+        raise ScalingDataError(
+            f"target budget {target_budget} FLOPs: give a positive compute budget (--budget)"
+        )
     points = table if isinstance(table, ScalingPoints) else load_points(table, drop_highest)
     t0 = time.perf_counter()
     result = fit_law(points, starts=starts)
@@ -221,7 +225,7 @@ def run_fit_scaling(
         iso, iso_error = fit_parabolas(points), None
     except ScalingDataError as err:
         iso, iso_error = None, str(err)
-    budget = float(target_budget or points.c.max())
+    budget = float(target_budget if target_budget is not None else points.c.max())
     fit = ScalingFit(
         source=points.source,
         n_points=len(points),
@@ -280,6 +284,11 @@ def headline(fit: ScalingFit) -> str:
         f"D*={opt.d_opt:.4g}, {opt.tokens_per_param:.1f} tokens/param, loss {opt.loss:.4f} "
         f"[{opt.loss_interval[0]:.4f}, {opt.loss_interval[1]:.4f}]",
     ]
+    if ci["E"][1] - ci["E"][0] <= 1e-9 * max(1.0, law["E"]) or law["E"] < 1e-6:
+        lines.append(
+            f"  warning: E={law['E']:.3g} sits at its bound (interval {ci['E'][0]:.3g}–{ci['E'][1]:.3g}): the data "
+            "do not identify the irreducible loss; widen the budgets or sizes"
+        )
     if fit.moe:
         lines.append(f"  (MoE: N counts active parameters; total at the optimum ≈ {opt.n_total_opt:.4g})")
     if fit.holdout and "mean_rel_error" in fit.holdout:

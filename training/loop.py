@@ -186,6 +186,8 @@ def train_loop(
     checkpoints = setup.run_dir / "checkpoints"
     branches = {decay_start(h, optim.decay_fraction): h for h in cfg.horizons if h < cfg.max_steps}
     done = {int(m["horizon/steps"]) for m in read_jsonl(metrics_file) if "horizon/steps" in m}
+    if setup.rank == 0:
+        end_line(metrics_file)  # a line torn by a crash must not swallow the first record appended now
 
     def log(metrics: dict[str, float], step: int) -> None:
         if setup.rank == 0:
@@ -300,8 +302,27 @@ def decay_branch(
     return metrics
 
 
+def end_line(path: Path) -> None:
+    """Terminate a file's last line if a crash left it unterminated (appends then start on a line of their own)."""
+    if path.is_file() and path.stat().st_size:
+        with path.open("rb+") as f:
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+    """Every record of a JSON-lines file; a torn line (what a crash or a full disk leaves mid-write) is skipped
+    with a warning naming the file and line, so a resumed run can still finish."""
+    records = []
+    for number, line in enumerate(path.read_text().splitlines() if path.is_file() else [], start=1):
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s:%d: skipped a torn record (%d characters)", path, number, len(line))
+    return records
 
 
 def barrier() -> None:

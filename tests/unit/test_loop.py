@@ -167,3 +167,21 @@ def test_decay_branches_match_separate_runs_and_leave_the_main_run_unchanged(tmp
         _, alone = wsd_run(tmp_path / f"alone-{horizon}", horizon)
         assert loss == pytest.approx([r["val/loss"] for r in alone if "val/loss" in r][-1], rel=1e-6)
     assert not (tmp_path / "multi" / "branch").exists()
+
+
+def test_a_torn_metrics_line_is_skipped_with_a_warning(tmp_path: Path, caplog) -> None:
+    """What a crash mid-write leaves (then a resumed run appends after it) must not make the run unfinishable."""
+    from training.loop import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "train/loss": 3.0}\n{"step": 2, "train/lo\n{"step": 2, "val/loss": 2.5}\n')
+    assert read_jsonl(path) == [{"step": 1, "train/loss": 3.0}, {"step": 2, "val/loss": 2.5}]
+    assert "metrics.jsonl:2: skipped a torn record" in caplog.text
+    # a crash that tore the last line: the resumed loop terminates it before appending
+    from training.loop import end_line
+
+    path.write_text('{"step": 1, "train/loss": 3.0}\n{"step": 2, "train/lo')
+    end_line(path)
+    with path.open("a") as f:
+        f.write('{"step": 2, "train/loss": 2.9}\n')
+    assert read_jsonl(path)[-1] == {"step": 2, "train/loss": 2.9}

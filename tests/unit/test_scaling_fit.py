@@ -182,3 +182,20 @@ def test_missing_columns_are_named():
 def test_flops_column_derives_tokens():
     pts = points_from_table(pa.table({"Model Size": [1e8], "Training FLOP": [6e18], "loss": [3.0]}))
     assert pts.d[0] == pytest.approx(1e10)
+
+
+@pytest.mark.parametrize("budget", [-5.0, 0.0])
+def test_a_non_positive_budget_is_refused_before_anything_is_written(tmp_path, budget):
+    pts = isoflop_points(TRUE)
+    with pytest.raises(ScalingDataError, match="positive compute budget"):
+        run_fit_scaling(pts, tmp_path / "fit", target_budget=budget, n_bootstrap=50, starts=COARSE)
+    assert not (tmp_path / "fit").exists()
+
+
+@pytest.mark.parametrize("drop", [-1, 32, 40])
+def test_drop_highest_must_leave_runs(tmp_path, drop):
+    pts = isoflop_points(TRUE)  # 32 runs
+    csv = tmp_path / "runs.csv"
+    pacsv.write_csv(pa.table({"N": pts.n, "D": pts.d, "loss": pts.loss}), csv)
+    with pytest.raises(ScalingDataError, match="--drop-highest"):
+        load_points(csv, drop_highest=drop)
