@@ -29,7 +29,14 @@ def parse_override(override: str) -> tuple[list[str], Any]:
         raise ConfigError(
             f"override {override!r} must look like section.field=value, e.g. train.max_steps=200"
         )
-    return key.split("."), yaml.safe_load(raw) if raw else None
+    try:
+        return key.split("."), yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as error:
+        problem = str(getattr(error, "problem", None) or "not valid YAML")
+        raise ConfigError(
+            f"override {override!r}: the value is not valid YAML ({problem}); quote strings that start with "
+            "* & ! or contain ': ', e.g. data.sources=['*.txt']"
+        ) from None
 
 
 def assignments(changes: Iterable[Change]) -> list[tuple[list[str], Any]]:

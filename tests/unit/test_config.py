@@ -171,3 +171,9 @@ def test_depth_dial_in_a_recipe_can_be_switched_off() -> None:
 
 def test_expert_parallel_needs_top_k_of_two_or_more() -> None:
     assert "top-1 gate does not renormalise" in bad(["model.moe.top_k=1"], "moe-small")
+
+
+def test_an_override_that_is_not_yaml_is_one_line_naming_the_fix() -> None:
+    message = bad(["data.sources=[*.txt]"])
+    assert "not valid YAML" in message and "data.sources=['*.txt']" in message
+    assert load_recipe("smoke", ["data.sources=['*.txt']"]).data.sources == ("*.txt",)
