@@ -105,12 +105,23 @@ class ScalingFit(BaseModel):
         atomic_write_json(Path(out_dir) / FIT_FILE, self.model_dump(mode="json"))
 
 
+def intervals_at(
+    samples: dict[str, np.ndarray], n: np.ndarray, d: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """95% interval of the loss at each (N, D) over the bootstrap laws (resamples × points at once)."""
+    boot = Law(**{k: samples[k][:, None] for k in LAW_KEYS}).loss(
+        np.atleast_1d(n)[None], np.atleast_1d(d)[None]
+    )
+    lo, hi = np.nanpercentile(boot, [2.5, 97.5], axis=0)
+    return lo, hi
+
+
 def predict(
     law: Law, samples: dict[str, np.ndarray], n: float, d: float
 ) -> tuple[float, tuple[float, float]]:
     """The law's loss at (N, D) and the 95% interval over the bootstrap laws."""
-    boot = Law(**{k: samples[k] for k in LAW_KEYS}).loss(n, d)
-    return float(law.loss(n, d)), tuple(float(v) for v in np.nanpercentile(boot, [2.5, 97.5]))
+    lo, hi = intervals_at(samples, n, d)
+    return float(law.loss(n, d)), (float(lo[0]), float(hi[0]))
 
 
 def load_samples(out_dir: str | Path, name: str = BOOTSTRAP_FILE) -> dict[str, np.ndarray]:
@@ -163,9 +174,7 @@ def holdout_check(
         return {"skipped": str(err)}
     predicted = law.loss(test.n, test.d)
     rel = np.abs(predicted - test.loss) / test.loss
-    samples = bootstrap(train, law, n_resamples=n_bootstrap).samples
-    boot = Law(**{k: samples[k][:, None] for k in LAW_KEYS}).loss(test.n[None], test.d[None])
-    lo, hi = np.nanpercentile(boot, [2.5, 97.5], axis=0)
+    lo, hi = intervals_at(bootstrap(train, law, n_resamples=n_bootstrap).samples, test.n, test.d)
     return {
         "min_budget": float(budgets[k - 1]),
         "n_train": len(train),

@@ -52,11 +52,11 @@ def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
         if key not in best or row[column] < best[key][column]:
             best[key] = row
     chosen = pa.Table.from_pylist(list(best.values())) if best else table.slice(0, 0)
-    if column != "loss":
-        chosen = chosen.drop_columns(["loss"]).rename_columns(
-            ["loss" if c == column else c for c in chosen.drop_columns(["loss"]).column_names]
-        )
-    points = points_from_table(chosen.select(["N", "N_total", "D", "C", "loss"]), source=str(results))
+    fields = ["N", "N_total", "D", "C"]
+    chosen = chosen.select([*fields, column]).rename_columns(
+        [*fields, "loss"]
+    )  # `column` is what gets fitted
+    points = points_from_table(chosen, source=str(results))
     return ScalingPoints(
         points.n, points.d, points.loss, points.c, points.n_total, len(table) - len(points), points.source
     )

@@ -124,7 +124,7 @@ class SweepResult(Artifact):
     results: str  # the Parquet table, one row per (run, horizon)
     n_trials: int
     n_completed: int
-    n_stopped: int  # stopped early by ASHA
+    n_stopped: int  # not completed: stopped early by ASHA, or diverged
     n_points: int  # completed (N, D) points: several per run when multi-horizon
     flops: float  # FLOPs the completed runs spent
     points_per_flop_gain: float  # (points / FLOPs) over a one-point-per-run design's (points / FLOPs)
