@@ -21,6 +21,7 @@ from glob import glob
 from pathlib import Path
 
 from data_pipeline.config import DataConfig
+from infra.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md")
 SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
@@ -31,7 +32,7 @@ _STDLIB_SKIP = re.compile(
 )
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Input the pipeline cannot use; the message names the file (and line) and what to do."""
 
 

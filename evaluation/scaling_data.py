@@ -16,6 +16,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from infra.errors import UserError
+
 log = logging.getLogger(__name__)
 
 # Accepted spellings, matched case-insensitively after stripping spaces, dashes and underscores.
@@ -28,7 +30,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
-class ScalingDataError(ValueError):
+class ScalingDataError(UserError, ValueError):
     """A scaling table that cannot be fitted; the message names the problem and the fix."""
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from flows.recipe import ConfigError, apply_overrides, load_recipe, validate_recipe
 from flows.runner import Direct, trial_line
+from infra.errors import UserError, expected_failure
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -346,8 +347,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
-    except (ConfigError, ValueError) as error:
-        print(f"lmforge: error: {error}", file=sys.stderr)
+    except (UserError, ValueError) as error:  # ValueError: the libraries' validation messages
+        print(f"lmforge: error: {expected_failure(error) or error}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        if (line := expected_failure(error)) is None:
+            raise  # a bug: keep the traceback
+        print(f"lmforge: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as interrupt:
         print(f"lmforge: {interrupt or 'interrupted'}; rerun the same command to resume", file=sys.stderr)

@@ -106,46 +106,76 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from infra.services import save_state, start_mlflow, start_prefect, start_ray
+    """Start Prefect, MLflow and (unless --no-ray) a Ray head; each is recorded as soon as it is healthy, and a
+    failure stops the ones already started."""
+    from infra.services import (
+        ServiceError,
+        check_bind,
+        is_running,
+        load_state,
+        save_state,
+        start_mlflow,
+        start_prefect,
+        start_ray,
+        stop,
+    )
 
-    state = Path(args.state_dir)
+    state = Path(args.state_dir).resolve()
+    if alive := [r.name for r in load_state(state) if is_running(r)]:
+        raise ServiceError(
+            f"{', '.join(alive)} from an earlier `lmforge up` still run ({state}): `lmforge down` first"
+        )
+    for service in ("prefect", "mlflow", *(() if args.no_ray else ("ray",))):
+        check_bind(service, args.host)  # refuse before starting anything
     outputs = Path(args.outputs).resolve()
     outputs.mkdir(parents=True, exist_ok=True)
-    running = [start_prefect(state, args.host, args.prefect_port)]
+    starters = [
+        lambda: start_prefect(state, args.host, args.prefect_port),
+        lambda: start_mlflow(
+            state, f"sqlite:///{outputs / 'mlflow.db'}", outputs / "mlartifacts", args.host, args.mlflow_port
+        ),
+    ]
+    if not args.no_ray:
+        starters.append(lambda: start_ray(state, args.host, args.ray_port, args.ray_dashboard_port))
+    running = []
     try:
-        running.append(
-            start_mlflow(
-                state,
-                f"sqlite:///{outputs / 'mlflow.db'}",
-                outputs / "mlartifacts",
-                args.host,
-                args.mlflow_port,
-            )
-        )
-        if not args.no_ray:
-            running.append(start_ray(state, args.host, args.ray_port, args.ray_dashboard_port))
-    finally:
-        save_state(state, running)
+        for start in starters:
+            running.append(start())
+            save_state(state, running)
+    except BaseException:
+        for started in running:
+            stop(started)
+        save_state(state, [])
+        raise
     urls = {r.name: r.url for r in running}
     print(json.dumps(urls, indent=2))
     print("\nPoint lmforge at them (then `lmforge serve` to get the Run buttons):")
     print(f"  export PREFECT_API_URL={urls['prefect']}/api LMFORGE_TRACKING_URI={urls['mlflow']}")
     if "ray" in urls:
+        token = state / "ray_auth_token"
+        token_path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(token)
         print(
-            f"  export RAY_ADDRESS={args.host}:{args.ray_port or 6379}   # Ray Jobs / dashboard: {urls['ray']}"
+            f"  export RAY_ADDRESS={args.host}:{args.ray_port} RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token_path}"
         )
-    print("Stop them with `lmforge down`.")
+        print(
+            f"  Ray dashboard and Jobs API: {urls['ray']} (the dashboard asks for the token in {token_path})"
+        )
+    print(f"Logs in {state}; stop them with `lmforge down --state-dir {state}`.")
     return 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from infra.services import STATE_FILE, load_state, stop
+    """Stop exactly the process groups `up` recorded, by PID."""
+    from infra.services import load_state, save_state, stop
 
     state = Path(args.state_dir)
-    for running in load_state(state):
+    services = load_state(state)
+    if not services:
+        print(f"nothing recorded in {state.resolve()}: no services to stop")
+    for running in services:
         stop(running)
-        print(f"stopped {running.name} ({running.url})")
-    (state / STATE_FILE).unlink(missing_ok=True)
+        print(f"stopped {running.name} ({running.url}, process group {running.pid})")
+    save_state(state, [])
     return 0
 
 

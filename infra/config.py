@@ -14,11 +14,13 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel
 
+from infra.errors import UserError
+
 M = TypeVar("M", bound=BaseModel)
 Change = str | Mapping[str, Any]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """An invalid configuration; the message has one line per problem, each naming the field."""
 
 

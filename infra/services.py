@@ -8,9 +8,11 @@ auth. Whoever reaches an unauthenticated port can run code on this machine.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -21,6 +23,10 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
+
+from infra.errors import UserError
+
 STATE_FILE = "services.json"
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "ray": 6379, "ray_dashboard": 8265}
 AUTH_ENV = {
@@ -30,16 +36,20 @@ AUTH_ENV = {
 }
 
 
-class ServiceError(RuntimeError):
+class ServiceError(UserError):
     """A service could not start or is configured unsafely; the message says how to fix it."""
 
 
 @dataclass
 class Running:
+    """A service `up` started: `pid` leads its own process group, `started` is its create time (so a recycled
+    PID is never signalled)."""
+
     name: str
     pid: int
     url: str
     log: str
+    started: float = 0.0
 
 
 def is_loopback(host: str) -> bool:
@@ -58,7 +68,9 @@ def check_bind(service: str, host: str, env: dict[str, str] | None = None) -> No
         return
     configured = all(env.get(name) for name in AUTH_ENV[service])
     if service == "ray":
-        configured = env.get("RAY_AUTH_MODE") == "token"
+        configured = (
+            env.get("RAY_AUTH_MODE", "token").lower() == "token"
+        )  # `up` turns it on unless told not to
     if service == "mlflow" and configured:
         password = env.get("MLFLOW_AUTH_ADMIN_PASSWORD", "password1234")
         configured = password != "password1234"
@@ -67,7 +79,7 @@ def check_bind(service: str, host: str, env: dict[str, str] | None = None) -> No
             "prefect": "set PREFECT_SERVER_API_AUTH_STRING (clients: PREFECT_API_AUTH_STRING)",
             "mlflow": "run the basic-auth app: set MLFLOW_FLASK_SERVER_SECRET_KEY, MLFLOW_AUTH_CONFIG_PATH and a "
             "non-default admin password (MLFLOW_AUTH_ADMIN_PASSWORD)",
-            "ray": "set RAY_AUTH_MODE=token (and a token in RAY_AUTH_TOKEN or ~/.ray/auth_token)",
+            "ray": "unset RAY_AUTH_MODE (`up` runs Ray with token auth)",
         }[service]
         raise ServiceError(
             f"refusing to bind {service} to {host} without authentication: anyone who can reach it can run "
@@ -81,14 +93,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, log: Path, timeout: float = 120.0) -> None:
-    """Poll `url` until it answers 200; fail early if `proc` (when given) exits."""
+def wait_healthy(
+    url: str,
+    proc: subprocess.Popen | None,
+    log: Path,
+    timeout: float = 120.0,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """Poll `url` (with `headers`) until it answers 200; fail early if `proc` (when given) exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise ServiceError(f"{url}: the process exited with {proc.returncode}; see {log}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            with urllib.request.urlopen(
+                urllib.request.Request(url, headers=headers or {}), timeout=2
+            ) as response:
                 if response.status == 200:
                     return
         except OSError:
@@ -154,6 +174,41 @@ def start_mlflow(
     return _spawn("mlflow", cmd, dict(os.environ), state_dir, f"http://{host}:{port}", "/health")
 
 
+def ray_token(state_dir: Path) -> tuple[str, Path]:
+    """The Ray auth token and the file holding it: `RAY_AUTH_TOKEN_PATH` or `RAY_AUTH_TOKEN` when the user gave
+    one, else `<state_dir>/ray_auth_token`, created once (mode 0600)."""
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        path = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).expanduser()
+        if not path.is_file():
+            raise ServiceError(f"RAY_AUTH_TOKEN_PATH={path} does not exist: create it or unset the variable")
+        return path.read_text().strip(), path.resolve()
+    path = (state_dir / "ray_auth_token").resolve()
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        token = os.environ["RAY_AUTH_TOKEN"]
+    elif path.is_file():
+        token = path.read_text().strip()
+    else:
+        token = secrets.token_hex(32)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token)
+    return token, path
+
+
+def ray_env(state_dir: Path, host: str) -> tuple[dict[str, str], str]:
+    """The environment a Ray node of `lmforge up` runs with, and its token: token auth on, deliberately (Ray
+    2.60 turns it on by default and a health check without the token gets 401), and on loopback a node address
+    that stays loopback (`ray start` otherwise swaps 127.0.0.1 for the host's outward address)."""
+    token, path = ray_token(state_dir)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
+    env.pop("RAY_AUTH_TOKEN", None)
+    env.pop("RAY_ADDRESS", None)
+    if is_loopback(host):
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # node IP = loopback (ray/_private/services.py)
+    return env, token
+
+
 def start_ray(
     state_dir: Path,
     host: str = "127.0.0.1",
@@ -161,13 +216,16 @@ def start_ray(
     dashboard_port: int | None = None,
     num_cpus: int | None = None,
 ) -> Running:
-    """`ray start --head` bound to `host`; the dashboard (Ray Jobs API) on `dashboard_port`."""
+    """A Ray head (`ray start --head --block`, so it is one process group that `stop` ends) bound to `host`,
+    with token auth; the dashboard (Ray Jobs API) on `dashboard_port`."""
     check_bind("ray", host)
     port, dashboard_port = port or DEFAULT_PORTS["ray"], dashboard_port or DEFAULT_PORTS["ray_dashboard"]
+    env, token = ray_env(state_dir, host)
     cmd = [
         _bin("ray"),
         "start",
         "--head",
+        "--block",
         "--node-ip-address",
         host,
         "--port",
@@ -176,54 +234,82 @@ def start_ray(
         host,
         "--dashboard-port",
         str(dashboard_port),
+        "--ray-client-server-port",
+        str(free_port()),
         "--num-cpus",
         str(num_cpus or os.cpu_count() or 1),
         "--disable-usage-stats",
     ]
-    log = state_dir / "ray.log"
-    with open(log, "ab") as out:
-        result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    if result.returncode:
-        raise ServiceError(f"ray start failed ({result.returncode}); see {log}")
-    url = f"http://{host}:{dashboard_port}"
-    wait_healthy(url + "/api/version", None, log)  # `ray start` detaches the head
-    return Running("ray", -1, url, str(log))
+    headers = {"Authorization": f"Bearer {token}"}
+    return _spawn("ray", cmd, env, state_dir, f"http://{host}:{dashboard_port}", "/api/version", headers)
 
 
-def _spawn(name: str, cmd: list[str], env: dict[str, str], state_dir: Path, url: str, health: str) -> Running:
+def _spawn(
+    name: str,
+    cmd: list[str],
+    env: dict[str, str],
+    state_dir: Path,
+    url: str,
+    health: str,
+    headers: dict[str, str] | None = None,
+) -> Running:
+    """Start `cmd` as the leader of a new process group, wait until `url + health` answers, record it."""
     state_dir.mkdir(parents=True, exist_ok=True)
     log = state_dir / f"{name}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    running = Running(name, proc.pid, url, str(log), psutil.Process(proc.pid).create_time())
     try:
-        wait_healthy(url + health, proc, log)
-    except ServiceError:
-        os.killpg(proc.pid, signal.SIGTERM)
+        wait_healthy(url + health, proc, log, headers=headers)
+    except BaseException:
+        stop(running)
         raise
-    return Running(name, proc.pid, url, str(log))
+    return running
 
 
-def stop(running: Running, timeout: float = 5.0) -> None:
-    if running.name == "ray":
-        subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True)
-        return
+def _group(running: Running) -> list[psutil.Process]:
+    """The live processes of `running`'s process group, if its leader is still the process we started (a
+    recycled PID is left alone)."""
     try:
-        os.killpg(running.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+        leader = psutil.Process(running.pid)
+        if running.started and abs(leader.create_time() - running.started) > 1e-3:
+            return []
+    except psutil.NoSuchProcess:
+        pass  # the leader may exit before its group: the group id stays ours while members live
+    members = []
+    for proc in psutil.process_iter():
         try:
-            os.killpg(running.pid, 0)
-        except ProcessLookupError:
+            if os.getpgid(proc.pid) == running.pid:
+                members.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
+
+
+def stop(running: Running, timeout: float = 10.0) -> None:
+    """SIGTERM the process group `running` started (its leader's PID), then SIGKILL what is left after
+    `timeout` seconds. Nothing else on the host is touched."""
+    members = _group(running)
+    if not members:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in members:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(sig)
+        _, members = psutil.wait_procs(members, timeout=timeout if sig == signal.SIGTERM else 5)
+        if not members:
             return
-        time.sleep(0.2)
-    os.killpg(running.pid, signal.SIGKILL)
+
+
+def is_running(running: Running) -> bool:
+    return bool(_group(running))
 
 
 def save_state(state_dir: Path, services: list[Running]) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / STATE_FILE).write_text(json.dumps([asdict(s) for s in services], indent=2))
+    tmp = state_dir / f".{STATE_FILE}.tmp"
+    tmp.write_text(json.dumps([asdict(s) for s in services], indent=2))
+    tmp.replace(state_dir / STATE_FILE)
 
 
 def load_state(state_dir: Path) -> list[Running]:

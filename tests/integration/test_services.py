@@ -1,0 +1,112 @@
+"""`lmforge up` on a default install: Prefect, MLflow and a token-authenticated Ray head come up healthy, every
+socket their processes listen on is loopback, each UI answers, and `lmforge down` ends exactly those processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+
+from infra.services import Running, free_port, load_state
+from tests.pretrain_helpers import clean_env, lmforge_command
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _members(running: Running) -> list[psutil.Process]:
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == running.pid:
+                out.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return out
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers or {}), timeout=10
+        ) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as error:
+        return error.code, ""
+
+
+def test_up_binds_loopback_and_down_stops_exactly_its_processes(tmp_path):
+    env = {k: v for k, v in clean_env().items() if not k.startswith("RAY_")}
+    state = tmp_path / "state"
+    ports = [str(free_port()) for _ in range(4)]
+    up = subprocess.run(
+        lmforge_command(
+            "up",
+            "--state-dir",
+            str(state),
+            "--outputs",
+            str(tmp_path / "outputs"),
+            *("--prefect-port", ports[0], "--mlflow-port", ports[1]),
+            *("--ray-port", ports[2], "--ray-dashboard-port", ports[3]),
+        ),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+    )
+    services = {r.name: r for r in load_state(state)}
+    try:
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
+        assert set(services) == {"prefect", "mlflow", "ray"}
+        token = (state / "ray_auth_token").read_text().strip()
+        assert oct((state / "ray_auth_token").stat().st_mode & 0o777) == "0o600"
+        assert f"RAY_AUTH_TOKEN_PATH={state / 'ray_auth_token'}" in up.stdout
+
+        listening = []
+        for running in services.values():
+            for proc in _members(running):
+                for conn in proc.net_connections(kind="inet"):
+                    if conn.status == psutil.CONN_LISTEN:
+                        listening.append((running.name, proc.name(), conn.laddr.ip, conn.laddr.port))
+        assert {name for name, *_ in listening} == {"prefect", "mlflow", "ray"}
+        exposed = [s for s in listening if s[2] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+        assert not exposed, exposed
+
+        assert _get(f"{services['prefect'].url}/api/health")[0] == 200
+        status, page = _get(f"{services['prefect'].url}/")
+        assert status == 200 and "<html" in page.lower()
+        status, page = _get(f"{services['mlflow'].url}/")
+        assert status == 200 and "<html" in page.lower()
+        assert _get(f"{services['ray'].url}/api/version")[0] in (401, 403)  # token auth is on
+        status, version = _get(f"{services['ray'].url}/api/version", {"Authorization": f"Bearer {token}"})
+        assert status == 200 and json.loads(version)["ray_version"]
+
+        again = subprocess.run(
+            lmforge_command("up", "--state-dir", str(state)), capture_output=True, text=True, env=env
+        )
+        assert again.returncode == 2 and "lmforge down" in again.stderr, again.stderr
+        assert len(again.stderr.strip().splitlines()) == 1
+    finally:
+        down = subprocess.run(
+            lmforge_command("down", "--state-dir", str(state)), capture_output=True, text=True, env=env
+        )
+    assert down.returncode == 0, down.stderr
+    assert not [p for r in services.values() for p in _members(r) if p.status() != psutil.STATUS_ZOMBIE]
+    assert load_state(state) == []
+
+
+def test_up_refuses_a_public_bind_without_auth(tmp_path):
+    env = {k: v for k, v in clean_env().items() if "AUTH" not in k}
+    result = subprocess.run(
+        lmforge_command("up", "--state-dir", str(tmp_path), "--host", "0.0.0.0"),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "refusing to bind prefect to 0.0.0.0" in result.stderr
+    assert load_state(tmp_path) == []
