@@ -26,7 +26,7 @@ demo: install
 	$(VENV)/bin/lmforge model summary demo
 	$(VENV)/bin/lmforge pipeline demo
 
-# The two-node Ray cluster test runs last, in its own process: its `ray stop` ends every Ray process on the host.
+# The two-node Ray cluster test runs last, in its own process (it needs the machine's CPUs to itself).
 test: install
 	$(PY) -m pytest -q tests --deselect tests/integration/test_ray_cluster.py
 	$(PY) -m pytest -q tests/integration/test_ray_cluster.py

@@ -149,12 +149,11 @@ class PackedLoader(SampledLoader):
         seed: int = 0,
         shuffle: bool = True,
         tokenizer_digest: str | None = None,
-        verify: bool = False,
     ) -> None:
         if tokenizer_digest is not None:
             manifest.check_tokenizer(tokenizer_digest)
         self.seq_len = seq_len
-        self.reader = ShardReader(manifest, split, verify=verify)
+        self.reader = ShardReader(manifest, split)
         n_windows = max(0, (self.reader.n_tokens - 1) // seq_len)
         self.sampler = EpochSampler(n_windows, batch_size, rank, world_size, seed, shuffle)
 

@@ -20,7 +20,15 @@ from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.sources import DataError
 from infra.steps import Artifact
-from infra.storage import MANIFEST, TMP_SUFFIX, atomic_write_json, digest_of, fsync_and_replace, sha256_file
+from infra.storage import (
+    MANIFEST,
+    TMP_SUFFIX,
+    atomic_write_json,
+    damaged_file,
+    digest_of,
+    fsync_and_replace,
+    sha256_file,
+)
 
 Split = Literal["train", "val"]
 SPLITS: tuple[Split, ...] = ("train", "val")
@@ -173,28 +181,38 @@ def completed_shards(directory: Path, split: Split) -> list[ShardInfo]:
     return done
 
 
-class ShardReader:
-    """Memory-maps the shards of one split as one flat token stream (zero-copy per shard)."""
+def verify_shard(path: Path, info: ShardInfo, force: bool = False) -> None:
+    """Check a shard's bytes against its sha256 in the manifest, once per (path, size, mtime) (see
+    `damaged_file`); a mismatch is a one-line DataError naming the shard, so garbage never reaches a model."""
+    problem = damaged_file(path.parent, {path.name: {"bytes": info.bytes, "sha256": info.sha256}}, force)
+    if problem:
+        raise DataError(f"shard {problem}; delete the dataset directory and re-run `lmforge tokenize`")
 
-    def __init__(self, manifest: DatasetManifest, split: str, verify: bool = False) -> None:
+
+class ShardReader:
+    """Memory-maps the shards of one split as one flat token stream (zero-copy per shard). Every shard is
+    verified against the manifest's sha256 first (cached by path, size and mtime: see `verify_shard`);
+    `verify="always"` re-hashes regardless of the cache."""
+
+    def __init__(
+        self, manifest: DatasetManifest, split: str, verify: bool | Literal["always"] = True
+    ) -> None:
         if split not in manifest.splits:
             raise DataError(f"{manifest.path}: no split {split!r} (has {sorted(manifest.splits)})")
         self.documents: list[np.ndarray] = []  # per shard: end offset of each document
         self.arrays: list[np.ndarray] = []
         for info in manifest.splits[split].shards:
             path = Path(manifest.path) / info.file
-            self.arrays.append(self._open(path, info, manifest.dtype, verify))
+            if not path.is_file():
+                raise DataError(f"{path}: shard listed in the manifest is missing; re-run `lmforge tokenize`")
+            if verify:
+                verify_shard(path, info, force=verify == "always")
+            self.arrays.append(self._open(path, manifest.dtype))
         sizes = np.array([len(a) for a in self.arrays], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])
         self.n_tokens = int(self.starts[-1])
 
-    def _open(self, path: Path, info: ShardInfo, dtype: str, verify: bool) -> np.ndarray:
-        if not path.is_file():
-            raise DataError(f"{path}: shard listed in the manifest is missing; re-run `lmforge tokenize`")
-        if path.stat().st_size != info.bytes or (verify and sha256_file(path) != info.sha256):
-            raise DataError(
-                f"{path}: shard is truncated or modified (sha256 mismatch); delete the dataset and re-run"
-            )
+    def _open(self, path: Path, dtype: str) -> np.ndarray:
         try:
             reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
             if reader.num_record_batches != 1:

@@ -222,7 +222,7 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
 
     manifest = DatasetManifest.load(args.directory)
     print(json.dumps(manifest.model_dump(mode="json", exclude={"config"}), indent=2)[: args.max_chars])
-    reader = ShardReader(manifest, args.split, verify=True)
+    reader = ShardReader(manifest, args.split, verify="always")
     lengths = reader.document_lengths()
     print(
         f"\n{args.split}: {len(lengths):,} documents, {reader.n_tokens:,} tokens (all shards verified by sha256)"

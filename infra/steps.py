@@ -10,6 +10,7 @@ directory without a manifest is unfinished: `build` is called on it again and ma
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -19,7 +20,10 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from infra.errors import UserError
 from infra.storage import MANIFEST, atomic_write_json, digest_of
+
+log = logging.getLogger(__name__)
 
 
 class Artifact(BaseModel):
@@ -34,14 +38,32 @@ class Artifact(BaseModel):
         """What downstream steps key on: by default the digest of everything that determined this artifact."""
         return self.key
 
+    def damage(self) -> str | None:
+        """What is wrong with the files this artifact points at (none checked unless a kind overrides it)."""
+        return None
+
     @classmethod
     def load(cls, directory: str | Path) -> Any:
+        """The finished, intact artifact in `directory`; anything else is a one-line UserError saying why."""
         path = Path(directory) / MANIFEST
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{directory}: no {MANIFEST}; the step has not finished (rerun to resume it)"
+        if not Path(directory).is_dir():
+            raise UserError(
+                f"{directory}: no such directory; give the run directory a finished stage printed"
             )
-        return cls.model_validate_json(path.read_text())
+        if not path.is_file():
+            raise UserError(
+                f"{directory}: no {MANIFEST}, so it has not finished: rerun the command that started it (it resumes)"
+            )
+        try:
+            artifact = cls.model_validate_json(path.read_text())
+        except ValueError as error:
+            raise UserError(f"{path}: not a {cls.__name__} manifest ({str(error).splitlines()[0]})") from None
+        if problem := artifact.damage():
+            raise UserError(
+                f"{directory} is damaged ({problem}); rerun the command that made it: it resumes from the newest "
+                "intact checkpoint and rewrites what is damaged"
+            )
+        return artifact
 
 
 A = TypeVar("A", bound=Artifact)
@@ -70,9 +92,16 @@ class Step(Generic[A]):
         return Path(root) / self.stage / f"{self.name}-{self.digest()[:12]}"
 
     def finished(self, root: str | Path) -> A | None:
-        """The step's artifact when it has finished, else None."""
+        """The step's artifact when it has finished and its files are intact, else None (a damaged one is named
+        in a warning and built again: training resumes from its newest intact checkpoint)."""
         manifest = self.directory(root) / MANIFEST
-        return self.kind.model_validate_json(manifest.read_text()) if manifest.is_file() else None
+        if not manifest.is_file():
+            return None
+        artifact = self.kind.model_validate_json(manifest.read_text())
+        if problem := artifact.damage():
+            log.warning("%s finished but is damaged (%s); rebuilding it", self.directory(root), problem)
+            return None
+        return artifact
 
 
 @contextmanager

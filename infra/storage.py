@@ -7,6 +7,7 @@ presence marks a finished stage.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -61,3 +62,57 @@ def remove_partial_files(directory: Path) -> list[Path]:
     for path in removed:
         path.unlink()
     return removed
+
+
+VERIFIED = (
+    ".verified.json"  # per directory: {relative path: [bytes, mtime_ns, sha256]} of files already checked
+)
+_verified: dict[tuple[str, int, int], str] = {}  # this process's checks, keyed by (path, bytes, mtime_ns)
+
+
+def file_records(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """{relative path: {bytes, sha256}} of every regular file under `directory` (dotfiles and `exclude` left
+    out): what a marker records so a later reader can tell a damaged copy from the one that was written."""
+    records = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        relative = path.relative_to(directory).as_posix()
+        if relative in exclude or any(part.startswith(".") for part in Path(relative).parts):
+            continue
+        stat, digest = path.stat(), sha256_file(path)
+        records[relative] = {"bytes": stat.st_size, "sha256": digest}
+        _verified[(str(path.resolve()), stat.st_size, stat.st_mtime_ns)] = digest  # just hashed: no re-check
+    return records
+
+
+def damaged_file(directory: Path, records: dict[str, dict[str, Any]], force: bool = False) -> str | None:
+    """The first file of `records` under `directory` that is missing or differs (one line: the path and what is
+    wrong), else None. Each file is hashed once per (path, size, mtime): checks are cached in this process and in
+    `<directory>/.verified.json`, so a later run re-hashes only files that changed; `force` re-hashes all."""
+    cache_path = directory / VERIFIED
+    try:
+        cache: dict[str, list] = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    changed = False
+    for relative, record in records.items():
+        path = directory / relative
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return f"{path}: missing"
+        if stat.st_size != record["bytes"]:
+            return f"{path}: {stat.st_size} bytes, {record['bytes']} when written (truncated or replaced)"
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        seen = [stat.st_size, stat.st_mtime_ns, record["sha256"]]
+        if not force and (_verified.get(key) == record["sha256"] or cache.get(relative) == seen):
+            _verified[key] = record["sha256"]
+            continue
+        if sha256_file(path) != record["sha256"]:
+            return (
+                f"{path}: bytes differ from the sha256 recorded when it was written (modified or corrupted)"
+            )
+        _verified[key], cache[relative], changed = record["sha256"], seen, True
+    if changed:
+        with contextlib.suppress(OSError):  # a read-only copy: checked again next time
+            atomic_write_json(cache_path, cache)
+    return None

@@ -3,13 +3,15 @@
 `<run>/checkpoints/step-00000050/` holds DeepSpeed's files (module, optimizer, step counters), one
 `rank-<r>.pt` per rank (python/numpy/torch RNG states and the data loader's position) and `meta.json`
 (step, config digest, MLflow run id, loop counters). Everything is written into `.tmp-step-...`, renamed into
-place, and only then is the `COMPLETE` marker written: a directory without it is never loaded and is deleted
-on the next save. The newest complete checkpoint is the resume point; older ones beyond `keep` are removed.
+place, and only then is the `COMPLETE` marker written, holding every file's size and sha256: a directory without
+it is never loaded and is deleted on the next save. The newest intact checkpoint is the resume point (a damaged
+newer one is skipped with a warning); older ones beyond `keep` are removed.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import shutil
@@ -19,7 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from infra.storage import atomic_write_json
+from infra.storage import atomic_write_json, damaged_file, file_records
+
+log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -43,9 +47,24 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def damage(checkpoint: Path) -> str | None:
+    """What is wrong with a complete checkpoint (a missing, truncated or altered file), or None if intact."""
+    try:
+        files = json.loads((checkpoint / COMPLETE).read_text()).get("files")
+    except (OSError, ValueError) as error:
+        return f"{checkpoint / COMPLETE}: unreadable ({error})"
+    return damaged_file(checkpoint, files) if files is not None else None  # None: written before checksums
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    checkpoints = complete_checkpoints(root)
-    return checkpoints[-1][1] if checkpoints else None
+    """The newest complete checkpoint whose files match their checksums; damaged newer ones are skipped (and
+    named in a warning), never loaded."""
+    for _, path in reversed(complete_checkpoints(root)):
+        problem = damage(path)
+        if problem is None:
+            return path
+        log.warning("checkpoint %s is damaged (%s); falling back to an earlier one", path, problem)
+    return None
 
 
 def prepare_staging(root: Path, step: int) -> Path:
@@ -64,7 +83,7 @@ def commit(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
     if final.exists():  # an incomplete leftover of a crashed save of the same step
         shutil.rmtree(final)
     staging.rename(final)
-    atomic_write_json(final / COMPLETE, {"step": step})
+    atomic_write_json(final / COMPLETE, {"step": step, "files": file_records(final)})
     for _, old in complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old)
     for leftover in root.iterdir():

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from data_pipeline.tokenizer import END_OF_TURN, describe
-from infra.storage import atomic_write_json
+from infra.storage import atomic_write_json, damaged_file, file_records
 from training.hf_interop import build_hf_model, to_hf_state_dict
 from training.model import ModelConfig, Transformer
 
@@ -80,6 +80,7 @@ def export_hf(
         "tolerance": TOLERANCE,
         "valid": difference <= TOLERANCE,
         "architecture": type(loaded).__name__,
+        "files": file_records(staging),  # checked by `export_damage` before anyone loads it
     }
     atomic_write_json(staging / "export.json", verification)
     if out.exists():
@@ -90,3 +91,12 @@ def export_hf(
 
 def read_verification(export_dir: str | Path) -> dict:
     return json.loads((Path(export_dir) / "export.json").read_text())
+
+
+def export_damage(export_dir: str | Path) -> str | None:
+    """What is wrong with an export directory (missing, or a file that differs from when it was written)."""
+    try:
+        files = read_verification(export_dir).get("files")
+    except (OSError, ValueError) as error:
+        return f"{Path(export_dir) / 'export.json'}: unreadable ({error})"
+    return damaged_file(Path(export_dir), files) if files is not None else None

@@ -30,6 +30,7 @@ from infra.tracking import TrackedRun, Tracker, tracked_run
 from training import checkpoint as ckpt
 from training.accounting import flops_per_token
 from training.config import TrainConfig, TrainingSpec
+from training.export import export_damage
 from training.launch import run_stage_workers
 from training.loop import Batches, LoopSetup, read_jsonl, resume, train_loop
 from training.model import ModelConfig
@@ -61,6 +62,13 @@ class TrainedModel(Artifact):
     @property
     def run_dir(self) -> str:
         return self.path
+
+    def damage(self) -> str | None:
+        """A damaged final checkpoint or export (missing, truncated or altered files), else None."""
+        checkpoint = Path(self.checkpoint)
+        if not (checkpoint / ckpt.COMPLETE).is_file():
+            return f"{checkpoint}: final checkpoint missing"
+        return ckpt.damage(checkpoint) or export_damage(self.hf_export)
 
 
 @dataclass(frozen=True)

@@ -188,3 +188,30 @@ def test_exact_resume_after_sigkill(model: str, tmp_path: Path) -> None:
     a = fp32_state_dict(Path(straight.checkpoint), False)
     b = fp32_state_dict(Path(resumed.checkpoint), False)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_damaged_final_checkpoint_is_reported_and_repaired(tmp_path: Path, caplog) -> None:
+    """A truncated file in the newest checkpoint of a finished run: loading it names the damage in one line; a
+    rerun falls back to the intact earlier checkpoint and rebuilds the same weights."""
+    from infra.errors import UserError
+    from training.parallel import fp32_state_dict
+
+    recipe = load_recipe(
+        "smoke", smoke_overrides(tmp_path, "train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=2")
+    )
+    data = run_tokenize(recipe.data, recipe.output_dir)
+    first = run_pretrain(recipe.pretrain_spec(), data)
+    weights = fp32_state_dict(Path(first.checkpoint), False)
+    biggest = max((p for p in Path(first.checkpoint).rglob("*.pt")), key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[:1000])
+
+    with pytest.raises(UserError, match=rf"is damaged \({biggest}: 1000 bytes, .*\); rerun the command"):
+        TrainedModel.load(first.run_dir)
+    with caplog.at_level("WARNING"):
+        repaired = run_pretrain(recipe.pretrain_spec(), data)
+    assert "finished but is damaged" in caplog.text
+    assert "step-00000004 is damaged" in caplog.text and "falling back" in caplog.text
+    assert repaired.step == 4 and repaired.checkpoint == first.checkpoint
+    again = fp32_state_dict(Path(repaired.checkpoint), False)
+    assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)
+    assert TrainedModel.load(first.run_dir) == repaired

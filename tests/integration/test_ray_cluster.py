@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 
 import mlflow
+import psutil
 import pytest
 
 from infra import ray_jobs
-from infra.services import free_port, start_mlflow, stop
+from infra.services import Running, free_port, start_mlflow, stop
 from tests.pretrain_helpers import clean_env, losses, smoke_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -33,7 +34,7 @@ def cluster(tmp_path_factory):
     )  # for this process's Jobs client (set first)
     import ray
 
-    ray.shutdown()  # `ray stop` below ends every Ray process on the host, a local one of this process included
+    ray.shutdown()
     env = {k: v for k, v in clean_env().items() if k != "RAY_ADDRESS"}
     env["PATH"] = (
         f"{Path(RAY).parent}:{env['PATH']}"  # as on a cluster image: `lmforge` is on the nodes' PATH
@@ -45,6 +46,7 @@ def cluster(tmp_path_factory):
         RAY,
         "start",
         "--head",
+        "--block",
         "--port",
         str(port),
         "--dashboard-host",
@@ -59,10 +61,11 @@ def cluster(tmp_path_factory):
         temp,
         *common,
     ]
-    subprocess.run(head, check=True, capture_output=True, env=env, timeout=180)
+    nodes = [_start(head, env, temp, "head")]
     second = [
         RAY,
         "start",
+        "--block",
         "--address",
         f"127.0.0.1:{port}",
         "--num-cpus",
@@ -71,23 +74,35 @@ def cluster(tmp_path_factory):
         '{"second_node": 1}',
         *common,
     ]
-    subprocess.run(second, check=True, capture_output=True, env=env, timeout=180)
     address = f"http://127.0.0.1:{dashboard}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
+    while not _alive_nodes(address):
+        assert time.monotonic() < deadline, "the head did not come up; see " + nodes[0].log
+        time.sleep(1)
+    nodes.append(_start(second, env, temp, "second"))
     while len(_alive_nodes(address)) < 2:
-        assert time.monotonic() < deadline, "the second node did not join"
+        assert time.monotonic() < deadline, "the second node did not join; see " + nodes[1].log
         time.sleep(1)
     state = tmp_path_factory.mktemp("mlflow")
     ml = start_mlflow(state, f"sqlite:///{state / 'mlflow.db'}", state / "artifacts", port=free_port())
-    yield address, ml
+    yield address, ml, {node.pid for node in nodes}
     stop(ml)
-    subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+    for node in reversed(nodes):  # by process group: other Ray processes on the host are left alone
+        stop(node)
     ray.shutdown()
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def _start(cmd: list[str], env: dict[str, str], temp: str, name: str) -> Running:
+    """`ray start --block` as the leader of its own process group, which `stop` ends."""
+    log = Path(temp) / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return Running(name, proc.pid, "", str(log), psutil.Process(proc.pid).create_time())
 
 
 def _alive_nodes(address: str) -> list[dict]:
@@ -121,7 +136,7 @@ def _wait(address: str, job_id: str, timeout: float = 900) -> str:
 
 
 def test_two_worker_job_survives_a_killed_worker(cluster, tmp_path):
-    address, ml = cluster
+    address, ml, groups = cluster
     env = {"LMFORGE_TRACKING_URI": ml.url}
     killed_out = tmp_path / "killed"
     job = ray_jobs.submit(address, _job_args(killed_out), env=env)
@@ -132,9 +147,11 @@ def test_two_worker_job_survives_a_killed_worker(cluster, tmp_path):
         )[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    workers = subprocess.run(
-        ["pgrep", "-f", "ray::RayTrainWorker"], capture_output=True, text=True
-    ).stdout.split()
+    workers = [  # this cluster's training workers only: members of its nodes' sessions
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if "ray::RayTrainWorker" in " ".join(p.info["cmdline"] or ()) and os.getsid(p.pid) in groups
+    ]
     assert len(workers) == 2, workers
     os.kill(int(workers[0]), signal.SIGKILL)
     logs = ray_jobs.client(address).get_job_logs
@@ -175,14 +192,14 @@ def test_jobs_api_refuses_requests_without_the_token(cluster):
     import urllib.error
     import urllib.request
 
-    address, _ = cluster
+    address, *_ = cluster
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"{address}/api/jobs/", timeout=10)
     assert refused.value.code in (401, 403)
 
 
 def test_jobs_api_lists_and_stops(cluster, tmp_path):
-    address, _ = cluster
+    address, *_ = cluster
     job = ray_jobs.submit(address, ["model", "summary", "smoke"])
     assert _wait(address, job, 300) == "SUCCEEDED"
     assert "params/embedding" in ray_jobs.client(address).get_job_logs(job)

@@ -51,3 +51,16 @@ def test_rng_round_trip() -> None:
     ckpt.set_rng_state(state)
     b = (random.random(), torch.rand(3))
     assert a[0] == b[0] and torch.equal(a[1], b[1])
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_intact_one(tmp_path: Path, caplog) -> None:
+    good = save(tmp_path, 10)
+    newest = save(tmp_path, 20)
+    (newest / "weights.bin").write_bytes(b"X")  # same size, other bytes
+    with caplog.at_level("WARNING"):
+        assert ckpt.latest_checkpoint(tmp_path) == good
+    assert f"checkpoint {newest} is damaged ({newest / 'weights.bin'}: bytes differ" in caplog.text
+    (newest / "meta.json").unlink()
+    assert ckpt.damage(newest) == f"{newest / 'meta.json'}: missing"
+    save(tmp_path, 20)  # resuming from step 10 saves step 20 again over the damaged one
+    assert ckpt.latest_checkpoint(tmp_path) == newest and ckpt.damage(newest) is None

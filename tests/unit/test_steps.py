@@ -65,3 +65,16 @@ def test_override_revalidates_with_the_config_type() -> None:
         override(TrainConfig(), {"max_steps": 0})
     with pytest.raises(ConfigError, match="section.field=value"):
         override(TrainConfig(), "max_steps")
+
+
+def test_loading_a_missing_or_unfinished_run_says_which(tmp_path: Path) -> None:
+    from infra.errors import UserError
+
+    with pytest.raises(UserError, match=r"nowhere: no such directory"):
+        Note.load(tmp_path / "nowhere")
+    (tmp_path / "half").mkdir()
+    with pytest.raises(UserError, match=r"half: no manifest.json, so it has not finished: rerun the command"):
+        Note.load(tmp_path / "half")
+    (tmp_path / "half" / "manifest.json").write_text('{"path": "x"}')
+    with pytest.raises(UserError, match=r"manifest.json: not a Note manifest"):
+        Note.load(tmp_path / "half")

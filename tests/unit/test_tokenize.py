@@ -134,8 +134,30 @@ def test_truncated_shard_is_refused_by_name(tokenized: tuple[DatasetManifest, Pa
     shard = copy / "train-00001.arrow"
     shard.write_bytes(shard.read_bytes()[:100])
     broken = manifest.model_copy(update={"path": str(copy)})
-    with pytest.raises(DataError, match=r"train-00001\.arrow: shard is truncated"):
+    with pytest.raises(
+        DataError, match=r"shard .*train-00001\.arrow: 100 bytes, .* when written \(truncated"
+    ):
         ShardReader(broken, "train")
+
+
+def test_shard_overwritten_in_place_is_refused_before_training(tokenized, tmp_path: Path) -> None:
+    """Same size, different bytes, after an earlier run had verified the shard: the loader refuses by name."""
+    from data_pipeline.loader import PackedLoader
+
+    manifest, _ = tokenized
+    copy = tmp_path / "copy"
+    shutil.copytree(manifest.path, copy)
+    moved = manifest.model_copy(update={"path": str(copy)})
+    PackedLoader(moved, seq_len=32, batch_size=2)  # verified once, recorded
+    assert set(json.loads((copy / ".verified.json").read_text())) == {
+        s.file for s in moved.splits["train"].shards
+    }
+    shard = copy / "train-00001.arrow"
+    data = bytearray(shard.read_bytes())
+    data[-200:-190] = bytes(10)  # garbage tokens, size unchanged
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"shard .*train-00001\.arrow: bytes differ from the sha256"):
+        PackedLoader(moved, seq_len=32, batch_size=2)
 
 
 def test_empty_corpus_is_an_error(tmp_path: Path) -> None:
