@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import codecs
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+ROLES = ("system", "user", "assistant")
+END_OF_TURN = "<|end|>"
+SPECIAL_TOKENS = [EOS, PAD, *(f"<|{role}|>" for role in ROLES), END_OF_TURN]
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # byte-level BPE: every byte, then the special tokens
 
 
 class TokenizerConfig(BaseModel):
@@ -16,6 +24,15 @@ class TokenizerConfig(BaseModel):
     min_frequency: PositiveInt = 2
     train_bytes: PositiveInt = 20_000_000  # train on the first documents up to this many bytes
     path: str | None = None  # an existing tokenizer.json (or a directory holding one) instead of training
+
+    @model_validator(mode="after")
+    def _room_for_bytes(self) -> TokenizerConfig:
+        if self.path is None and self.vocab_size < MIN_VOCAB:
+            raise ValueError(
+                f"vocab_size={self.vocab_size} cannot hold the 256 bytes and {len(SPECIAL_TOKENS)} special tokens "
+                f"of a byte-level BPE; use at least {MIN_VOCAB} (a few thousand for real text)"
+            )
+        return self
 
 
 class SFTConfig(BaseModel):
@@ -42,10 +59,22 @@ class DataConfig(BaseModel):
     sources: tuple[str, ...] = ("stdlib",)
     text_field: str = "text"  # JSONL key or parquet column holding the text
     max_documents: PositiveInt | None = None  # first N documents in source order (quick runs)
-    on_bad_record: Literal["error", "skip"] = "error"  # a JSONL line that is not JSON or lacks text_field
+    # a JSONL line that is not JSON or lacks text_field, a text file that looks binary: refuse, or skip and count
+    on_bad_record: Literal["error", "skip"] = "error"
+    encoding: str = "utf-8"  # of text and JSONL files (a leading byte-order mark is dropped)
     val_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
     tokenizer: TokenizerConfig = TokenizerConfig()
     shard_tokens: PositiveInt = 1_000_000
     num_workers: PositiveInt = 2
     backend: Literal["processes", "ray"] = "processes"
     sft: SFTConfig = SFTConfig()
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_codec(cls, value: str) -> str:
+        try:
+            return codecs.lookup(value).name
+        except LookupError:
+            raise ValueError(
+                f"unknown encoding {value!r}; use a Python codec name such as utf-8 or latin-1"
+            ) from None

@@ -22,10 +22,10 @@ import pyarrow as pa
 import torch
 from tokenizers import Tokenizer
 
-from data_pipeline.config import SFTConfig
+from data_pipeline.config import END_OF_TURN, ROLES, SPECIAL_TOKENS, SFTConfig
 from data_pipeline.loader import IGNORE_INDEX, Batch, EpochSampler, SampledLoader
-from data_pipeline.sources import DataError, ReadStats, decode_utf8, split_of, stdlib_files, stdlib_root
-from data_pipeline.tokenizer import END_OF_TURN, ROLES, SPECIAL_TOKENS, TokenizerRef
+from data_pipeline.sources import DataError, ReadStats, decode_text, split_of, stdlib_files, stdlib_root
+from data_pipeline.tokenizer import TokenizerRef
 from infra.steps import Artifact, Step, run_step
 from infra.storage import MANIFEST, atomic_write_bytes, digest_of
 
@@ -66,7 +66,7 @@ def read_sft_jsonl(path: Path) -> list[Messages]:
         raise DataError(f"data.sft.source: {path} does not exist; give a JSONL file or 'builtin'")
     examples, stats = [], ReadStats()
     for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
-        line = decode_utf8(raw, f"{path}:{lineno}", stats).strip()
+        line = decode_text(raw, f"{path}:{lineno}", stats).strip()
         if not line:
             continue
         try:

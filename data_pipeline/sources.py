@@ -8,20 +8,25 @@ JSON or lacks the text field is an error (or skipped and counted when `on_bad_re
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import sysconfig
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from glob import glob
 from pathlib import Path
 
 from data_pipeline.config import DataConfig
 from infra.errors import UserError
+
+log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md")
 SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
@@ -51,6 +56,8 @@ class ReadStats:
     documents: int = 0
     empty_skipped: int = 0
     bad_records_skipped: int = 0
+    binary_skipped: int = 0
+    binary_files: list[str] = field(default_factory=list)  # first few files skipped as binary
     replaced_bytes: int = 0
     replaced_in: list[str] = field(default_factory=list)  # first few files with non-UTF-8 bytes
 
@@ -58,17 +65,35 @@ class ReadStats:
         return asdict(self)
 
 
-def decode_utf8(data: bytes, where: str, stats: ReadStats) -> str:
-    """Decode UTF-8, replacing each invalid byte with U+FFFD and counting it."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        text = data.decode("utf-8", errors="surrogateescape")
-        bad = len(_ESCAPED_BYTE.findall(text))
+def decode_text(data: bytes, where: str, stats: ReadStats, encoding: str = "utf-8") -> str:
+    """Decode `data`, dropping a leading byte-order mark and replacing each undecodable byte with U+FFFD (counted
+    in `stats`)."""
+    if encoding == "utf-8":
+        data = data.removeprefix(codecs.BOM_UTF8)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = data.decode("utf-8", errors="surrogateescape")
+            bad = len(_ESCAPED_BYTE.findall(text))
+            text = _ESCAPED_BYTE.sub("\ufffd", text)
+    else:
+        text = data.decode(encoding, errors="replace").removeprefix("\ufeff")
+        bad = text.count("\ufffd")
+    if bad:
         stats.replaced_bytes += bad
         if len(stats.replaced_in) < 10:
             stats.replaced_in.append(where)
-        return _ESCAPED_BYTE.sub("\ufffd", text)
+    return text
+
+
+def binary_reason(text: str) -> str | None:
+    """Why decoded text looks like a binary file (NUL characters, or over 10% undecodable bytes), else None."""
+    if "\x00" in text:
+        return "it contains NUL bytes"
+    replaced = text.count("\ufffd")
+    if replaced > max(8, len(text) // 10):
+        return f"{replaced / len(text):.0%} of it is not valid text in its encoding"
+    return None
 
 
 def split_of(doc_id: str, val_fraction: float) -> str:
@@ -95,7 +120,10 @@ def stdlib_files() -> list[Path]:
 
 
 def _open_bytes(path: Path) -> bytes:
-    return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    try:
+        return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as error:
+        raise DataError(f"{path}: not a readable gzip file ({error}); re-compress it or remove it") from None
 
 
 def _kind(path: Path) -> str:
@@ -193,33 +221,53 @@ class Corpus:
             elif kind == ".parquet":
                 yield from self._iter_parquet(path, file_id)
             else:
-                yield Document(file_id, decode_utf8(_open_bytes(path), str(path), self.stats))
-
-    def _iter_jsonl(self, path: Path, file_id: str) -> Iterator[Document]:
-        field_name = self.cfg.text_field
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                line = decode_utf8(raw, f"{path}:{lineno}", self.stats).strip()
-                if not line:
-                    continue
-                problem = None
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    problem = f"not valid JSON ({error.msg})"
-                else:
-                    if not isinstance(record, dict) or not isinstance(record.get(field_name), str):
-                        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                        problem = f"has no string field {field_name!r} (found: {keys}); set data.text_field"
-                if problem is None:
-                    yield Document(f"{file_id}:{lineno}", record[field_name])
+                text = decode_text(_open_bytes(path), str(path), self.stats, self.cfg.encoding)
+                if (reason := binary_reason(text)) is None:
+                    yield Document(file_id, text)
                 elif self.cfg.on_bad_record == "skip":
-                    self.stats.bad_records_skipped += 1
+                    log.warning("%s: skipped, it looks binary (%s)", path, reason)
+                    self.stats.binary_skipped += 1
+                    if len(self.stats.binary_files) < 10:
+                        self.stats.binary_files.append(str(path))
                 else:
                     raise DataError(
-                        f"{path}:{lineno}: {problem} (or set data.on_bad_record=skip to skip such lines)"
+                        f"{path}: looks binary, not text ({reason}); remove it from data.sources, set "
+                        "data.encoding if it is text, or set data.on_bad_record=skip to skip such files"
                     )
+
+    def _iter_jsonl(self, path: Path, file_id: str) -> Iterator[Document]:
+        opener = gzip.open if path.suffix == ".gz" else open
+        try:
+            with opener(path, "rb") as f:
+                yield from self._jsonl_records(f, path, file_id)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+            raise DataError(
+                f"{path}: not a readable gzip file ({error}); re-compress it or remove it"
+            ) from None
+
+    def _jsonl_records(self, lines: Iterable[bytes], path: Path, file_id: str) -> Iterator[Document]:
+        field_name = self.cfg.text_field
+        for lineno, raw in enumerate(lines, start=1):
+            line = decode_text(raw, f"{path}:{lineno}", self.stats, self.cfg.encoding).strip()
+            if not line:
+                continue
+            problem = None
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                problem = f"not valid JSON ({error.msg})"
+            else:
+                if not isinstance(record, dict) or not isinstance(record.get(field_name), str):
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    problem = f"has no string field {field_name!r} (found: {keys}); set data.text_field"
+            if problem is None:
+                yield Document(f"{file_id}:{lineno}", record[field_name])
+            elif self.cfg.on_bad_record == "skip":
+                self.stats.bad_records_skipped += 1
+            else:
+                raise DataError(
+                    f"{path}:{lineno}: {problem} (or set data.on_bad_record=skip to skip such lines)"
+                )
 
     def _iter_parquet(self, path: Path, file_id: str) -> Iterator[Document]:
         import pyarrow as pa
@@ -236,6 +284,11 @@ class Corpus:
         if self.cfg.text_field not in columns:
             raise DataError(
                 f"{path}: no column {self.cfg.text_field!r} (columns: {columns}); set data.text_field"
+            )
+        kind = parquet.schema_arrow.field(self.cfg.text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+            raise DataError(
+                f"{path}: column {self.cfg.text_field!r} holds {kind}, not text; point data.text_field at a string column"
             )
         row = 0
         try:

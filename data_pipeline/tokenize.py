@@ -32,7 +32,7 @@ from data_pipeline.shards import (
     token_dtype,
 )
 from data_pipeline.sources import Corpus, DataError, split_of
-from data_pipeline.tokenizer import TokenizerRef, run_train_tokenizer
+from data_pipeline.tokenizer import MAX_PIECE_CHARS, TokenizerRef, pieces, run_train_tokenizer
 from infra.steps import Step, run_step
 from infra.storage import remove_partial_files
 
@@ -62,8 +62,14 @@ def corpus_tokenizer(path: str) -> Tokenizer:
 
 
 def encode_texts(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: str) -> list[np.ndarray]:
-    """Token ids of each text followed by end-of-text."""
-    return [np.array([*e.ids, eos_id], dtype=dtype) for e in tokenizer.encode_batch(texts)]
+    """Token ids of each text followed by end-of-text (a very long text is encoded piece by piece)."""
+    if all(len(text) <= MAX_PIECE_CHARS for text in texts):
+        return [np.array([*e.ids, eos_id], dtype=dtype) for e in tokenizer.encode_batch(texts)]
+    out = []
+    for text in texts:
+        ids = [np.array(e.ids, dtype=dtype) for e in tokenizer.encode_batch(pieces(text))]
+        out.append(np.concatenate([*ids, np.array([eos_id], dtype=dtype)]))
+    return out
 
 
 _worker: tuple[Tokenizer, int, str] | None = None
@@ -194,6 +200,13 @@ def _write_shards(
     if not any(w.shards for w in writers.values()):
         raise DataError(
             f"data.sources {list(cfg.sources)} hold no text ({corpus.stats.as_dict()}); check the files"
+        )
+    if cfg.val_fraction > 0 and not writers["val"].shards:
+        log.warning(
+            "tokenize: the validation split is empty (%d document(s), val_fraction=%g): runs on this data get no "
+            "validation loss; add documents (long ones are not split across the splits) or raise data.val_fraction",
+            corpus.stats.documents,
+            cfg.val_fraction,
         )
     return DatasetManifest(
         version=SHARD_FORMAT_VERSION,

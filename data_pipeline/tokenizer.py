@@ -17,17 +17,12 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from data_pipeline.config import TokenizerConfig
+from data_pipeline.config import EOS, PAD, SPECIAL_TOKENS, TokenizerConfig
 from data_pipeline.sources import Corpus, DataError
 from infra.steps import Artifact, Step, run_step
 
 log = logging.getLogger(__name__)
 
-EOS = "<|endoftext|>"
-PAD = "<|pad|>"
-ROLES = ("system", "user", "assistant")
-END_OF_TURN = "<|end|>"
-SPECIAL_TOKENS = [EOS, PAD, *(f"<|{role}|>" for role in ROLES), END_OF_TURN]
 # Each turn renders as "<|role|>\n{content}<|end|>\n"; `data_pipeline/sft.py` builds loss masks on this layout.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
@@ -48,6 +43,29 @@ class TokenizerRef:
 
     def load(self) -> Tokenizer:
         return Tokenizer.from_file(str(Path(self.path) / "tokenizer.json"))
+
+
+MAX_PIECE_CHARS = 1 << 20  # longer documents are encoded (and counted for training) piece by piece
+
+
+def pieces(text: str, limit: int = MAX_PIECE_CHARS) -> list[str]:
+    """`text` cut into pieces of at most ~`limit` characters, each cut just before a space that follows a
+    non-space and precedes a non-space: a boundary of the byte-level pre-tokenizer, so encoding the pieces and
+    concatenating gives the ids of the whole (and a 50 MB one-line document needs memory for one piece)."""
+    if len(text) <= limit:
+        return [text]
+    out, start = [], 0
+    while len(text) - start > limit:
+        cut = start + limit
+        while cut > start + limit // 2 and not (
+            text[cut] == " " and not text[cut - 1].isspace() and not text[cut + 1 : cut + 2].isspace()
+        ):
+            cut -= 1
+        if cut <= start + limit // 2:
+            cut = start + limit  # no word boundary nearby: a hard cut (may split one pre-token)
+        out.append(text[start:cut])
+        start = cut
+    return [*out, text[start:]]
 
 
 def train_bpe(texts: Iterable[str], cfg: TokenizerConfig) -> Tokenizer:
@@ -111,7 +129,7 @@ def _sample(corpus: Corpus, max_bytes: int) -> Iterator[str]:
     """The first documents of the corpus up to `max_bytes` of UTF-8."""
     seen = 0
     for doc in corpus:
-        yield doc.text
+        yield from pieces(doc.text)
         seen += len(doc.text.encode())
         if seen >= max_bytes:
             return

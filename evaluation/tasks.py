@@ -20,8 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
+from data_pipeline.config import END_OF_TURN
 from data_pipeline.sources import DataError, stdlib_files, stdlib_root
-from data_pipeline.tokenizer import END_OF_TURN
 from evaluation.model_io import EvalModel
 from evaluation.scoring import generate_text, score_continuations
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from data_pipeline.tokenizer import END_OF_TURN, describe
+from data_pipeline.config import END_OF_TURN
+from data_pipeline.tokenizer import describe
 from infra.storage import atomic_write_json, damaged_file, file_records
 from training.hf_interop import build_hf_model, to_hf_state_dict
 from training.model import ModelConfig, Transformer

@@ -21,10 +21,11 @@ from pydantic import PositiveInt
 from tokenizers import Tokenizer
 from torch import nn
 
+from data_pipeline.config import END_OF_TURN
 from data_pipeline.loader import SampledLoader
 from data_pipeline.sft import Messages, SFTLoader, SFTManifest, render
 from data_pipeline.sources import DataError
-from data_pipeline.tokenizer import END_OF_TURN, describe
+from data_pipeline.tokenizer import describe
 from infra.steps import Artifact
 from infra.storage import atomic_write_json
 from infra.tracking import Tracker

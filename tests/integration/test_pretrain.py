@@ -197,7 +197,8 @@ def test_damaged_final_checkpoint_is_reported_and_repaired(tmp_path: Path, caplo
     from training.parallel import fp32_state_dict
 
     recipe = load_recipe(
-        "smoke", smoke_overrides(tmp_path, "train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=2")
+        "smoke",
+        smoke_overrides(tmp_path, "train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=2"),
     )
     data = run_tokenize(recipe.data, recipe.output_dir)
     first = run_pretrain(recipe.pretrain_spec(), data)

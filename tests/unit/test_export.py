@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.tokenizer import END_OF_TURN, describe
+from data_pipeline.config import END_OF_TURN
+from data_pipeline.tokenizer import describe
 from training.export import export_hf
 from training.model import ModelConfig, Transformer
 

@@ -143,3 +143,57 @@ def test_ids_and_fingerprint_do_not_depend_on_where_the_data_lives(tmp_path: Pat
     assert [d.doc_id for d in one] == [d.doc_id for d in two]
     assert [d.doc_id for d in one][0] == "a.txt"
     assert one.fingerprint() == two.fingerprint()
+
+
+def test_binary_file_in_a_text_glob_is_refused_or_skipped_by_name(tmp_path: Path) -> None:
+    (tmp_path / "good.txt").write_text("plain words")
+    (tmp_path / "x.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\x00" + bytes(range(256)) * 20)
+    with pytest.raises(
+        DataError, match=r"x\.txt: looks binary, not text \(it contains NUL bytes\); remove it"
+    ):
+        list(Corpus(cfg(str(tmp_path / "*.txt"))))
+    corpus = Corpus(cfg(str(tmp_path / "*.txt"), on_bad_record="skip"))
+    assert [d.text for d in corpus] == ["plain words"]
+    assert corpus.stats.binary_skipped == 1 and corpus.stats.binary_files == [str(tmp_path / "x.txt")]
+    (tmp_path / "x.txt").write_bytes(bytes(range(128, 256)) * 4)  # no NULs, none of it UTF-8
+    with pytest.raises(DataError, match=r"looks binary, not text \(100% of it is not valid text"):
+        list(Corpus(cfg(str(tmp_path / "*.txt"))))
+
+
+def test_encoding_and_byte_order_marks(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes("café crème".encode("latin-1"))
+    assert [d.text for d in Corpus(cfg(str(tmp_path / "a.txt"), encoding="latin-1"))] == ["café crème"]
+    (tmp_path / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + b'{"text": "first"}\n{"text": "second"}\n')
+    (tmp_path / "c.txt").write_bytes(b"\xef\xbb\xbfbom text")
+    for mode in ("error", "skip"):
+        corpus = Corpus(cfg(str(tmp_path / "b.jsonl"), str(tmp_path / "c.txt"), on_bad_record=mode))
+        assert [d.text for d in corpus] == ["first", "second", "bom text"]
+        assert corpus.stats.bad_records_skipped == 0
+    with pytest.raises(ValueError, match="unknown encoding 'utf-9'"):
+        cfg("x", encoding="utf-9")
+
+
+@pytest.mark.parametrize("name", ["t.txt.gz", "t.jsonl.gz"])
+@pytest.mark.parametrize("damage", ["truncated", "not gzip"])
+def test_damaged_gzip_names_the_file(tmp_path: Path, name: str, damage: str) -> None:
+    data = gzip.compress(b'{"text": "some words here"}\n' * 200, mtime=0)
+    (tmp_path / name).write_bytes(data[: len(data) // 2] if damage == "truncated" else b"plain, not gzip")
+    with pytest.raises(DataError, match=rf"{name}: not a readable gzip file"):
+        list(Corpus(cfg(str(tmp_path / name))))
+
+
+@pytest.mark.parametrize("column", [pa.array([1, 2]), pa.array([["a"], ["b"]])])
+def test_parquet_text_column_of_another_type_is_named(tmp_path: Path, column: pa.Array) -> None:
+    pq.write_table(pa.table({"text": column}), tmp_path / "p.parquet")
+    with pytest.raises(DataError, match=r"p\.parquet: column 'text' holds (int64|list<.*string>), not text"):
+        list(Corpus(cfg(str(tmp_path / "p.parquet"))))
+
+
+def test_vocab_too_small_for_the_byte_alphabet_is_refused() -> None:
+    from data_pipeline.config import MIN_VOCAB, TokenizerConfig
+
+    with pytest.raises(
+        ValueError, match=rf"vocab_size=200 cannot hold the 256 bytes .* at least {MIN_VOCAB}"
+    ):
+        TokenizerConfig(vocab_size=200)
+    assert TokenizerConfig(vocab_size=MIN_VOCAB).vocab_size == MIN_VOCAB

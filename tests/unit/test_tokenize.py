@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from data_pipeline.config import DataConfig
+from data_pipeline.config import DataConfig, TokenizerConfig
 from data_pipeline.shards import DatasetManifest, ShardReader
 from data_pipeline.sources import Corpus, DataError
 from data_pipeline.tokenize import corpus_tokenizer, run_tokenize
@@ -172,3 +172,32 @@ def test_manifest_is_json_with_digests(tokenized: tuple[DatasetManifest, Path]) 
     data = json.loads((Path(manifest.path) / MANIFEST).read_text())
     assert data["tokenizer"]["digest"] == manifest.tokenizer.digest
     assert all(len(s["sha256"]) == 64 for s in data["splits"]["train"]["shards"])
+
+
+def test_long_document_is_encoded_in_pieces_with_the_same_ids(tokenized) -> None:
+    from data_pipeline.tokenize import corpus_tokenizer
+    from data_pipeline.tokenizer import pieces
+
+    manifest, _ = tokenized
+    tokenizer = corpus_tokenizer(manifest.tokenizer.path)
+    text = " ".join(
+        f"word{i % 97}, (x+{i})  then\tmore text:{i}" for i in range(2000)
+    )  # ~70k chars, one line
+    parts = pieces(text, limit=1000)
+    assert len(parts) > 50 and "".join(parts) == text and max(map(len, parts)) <= 1000
+    whole = tokenizer.encode(text).ids
+    assert [i for p in parts for i in tokenizer.encode(p).ids] == whole
+
+
+def test_a_single_document_corpus_warns_that_validation_is_empty(tmp_path: Path, caplog) -> None:
+    (tmp_path / "one.txt").write_text("a single long line of text " * 400)
+    cfg = DataConfig(
+        sources=(str(tmp_path / "one.txt"),),
+        num_workers=1,
+        val_fraction=0.05,
+        tokenizer=TokenizerConfig(vocab_size=300),
+    )
+    with caplog.at_level("WARNING"):
+        manifest = run_tokenize(cfg, tmp_path / "out")
+    assert manifest.splits["val"].n_docs == 0
+    assert "the validation split is empty (1 document(s), val_fraction=0.05)" in caplog.text
