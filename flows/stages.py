@@ -109,15 +109,13 @@ def register(
 
 
 def load_model(run_dir: str | Path) -> TrainedModel:
-    """A finished training run by directory; one line naming the fix when it is missing or has not finished."""
+    """A finished, intact training run by directory; one line naming the fix when it is missing, unfinished or
+    damaged."""
     if not Path(run_dir).is_dir():
         raise ConfigError(
             f"{run_dir}: no such run directory; give a training run's directory (outputs/<stage>/<name>-<hash>)"
         )
-    try:
-        return TrainedModel.load(run_dir)
-    except FileNotFoundError as error:
-        raise ConfigError(str(error)) from None
+    return TrainedModel.load(run_dir)
 
 
 def pretrained(recipe: Recipe, run: Runner) -> TrainedModel:

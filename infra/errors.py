@@ -5,13 +5,18 @@ and keeps its traceback."""
 from __future__ import annotations
 
 import errno
-import sqlite3
+import os
 
 _DISK_FULL = (
     "no space left on device",
     "database or disk is full",
     "disk quota exceeded",
     "file write failed",
+)
+
+_FREE_SPACE = (
+    "free space or point output_dir at a larger disk, then rerun the same command (it resumes from the last "
+    "complete checkpoint, which a failed write never replaces)"
 )
 
 
@@ -30,32 +35,23 @@ def _chain(error: BaseException) -> list[BaseException]:
 
 
 def expected_failure(error: BaseException) -> str | None:
-    """One line for an expected failure anywhere in `error`'s chain (a `UserError`, a full disk, a permission
-    or missing-path error from the OS), else None: an unexpected error, a bug."""
+    """One line for an expected failure anywhere in `error`'s chain (a `UserError`, a full disk, an OS error on
+    a named path), else None: an unexpected error, a bug."""
     chain = _chain(error)
     for link in chain:
         if isinstance(link, UserError):
             return str(link)
     for link in chain:
         text = str(link).lower()
-        if (
-            (isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT))
-            or (
-                isinstance(link, (RuntimeError, sqlite3.OperationalError, OSError))
-                and any(marker in text for marker in _DISK_FULL)
-            )
-            or type(link).__name__ == "OperationalError"
-            and "disk is full" in text
+        first = str(link).splitlines()[0][:160] if str(link) else type(link).__name__
+        if (isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+            marker in text for marker in _DISK_FULL
         ):
-            where = getattr(link, "filename", None)
-            return (
-                f"disk full{f' writing {where}' if where else ''} ({str(link).splitlines()[0][:160]}): free space "
-                "or point output_dir at a larger disk, then rerun the same command; finished steps and the last "
-                "complete checkpoint are kept"
-            )
+            where = f" writing {link.filename}" if getattr(link, "filename", None) else ""
+            return f"disk full{where} ({first}): {_FREE_SPACE}"
+        if isinstance(link, RuntimeError) and "inline_container" in text:  # torch.save's writer, mid-file
+            return f"torch could not write a checkpoint file ({first}), usually because the disk is full: {_FREE_SPACE}"
     for link in chain:
-        if isinstance(link, PermissionError) or (isinstance(link, OSError) and link.errno == errno.EROFS):
-            return f"{link.filename or link}: not writable ({link.strerror}); fix its permissions or choose another path"
-        if isinstance(link, FileNotFoundError) and link.filename:
-            return f"{link.filename}: no such file or directory; check the path"
+        if isinstance(link, OSError) and link.filename and link.errno is not None:
+            return f"{link.filename}: {link.strerror or os.strerror(link.errno)}; check the path and its permissions"
     return None
