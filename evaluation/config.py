@@ -5,6 +5,37 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 DEFAULT_PROMPTS = ("def ", "import os\n", "class ", '    """Return ')
+LOWER_IS_BETTER = ("loss", "bits_per_byte", "perplexity", "response_loss")
+
+
+class Gate(BaseModel):
+    """A registry gate: the candidate may be worse than its base on `metric` by at most `tolerance` (relative to
+    the base's value); with `improve`, it must be strictly better. Lower is better for losses, bits per byte and
+    perplexity, higher for everything else (accuracies, exact match)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    metric: str
+    tolerance: float = Field(0.0, ge=0)
+    improve: bool = False
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.metric.rsplit("/", 1)[-1] in LOWER_IS_BETTER
+
+    def passes(self, candidate: float, base: float) -> bool:
+        sign = 1.0 if self.lower_is_better else -1.0  # sign * value: lower is better
+        ours, theirs = sign * candidate, sign * base
+        if self.improve:
+            return ours < theirs
+        return ours <= theirs + self.tolerance * abs(base)
+
+
+DEFAULT_GATES = (
+    Gate(metric="sft-heldout-em/response_loss", improve=True),  # fine-tuning did what it was for
+    Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # without forgetting the pretraining text
+    Gate(metric="stdlib-import-mc/acc", tolerance=0.10),  # or the downstream task
+)
 
 
 class EvalConfig(BaseModel):
@@ -27,4 +58,4 @@ class EvalConfig(BaseModel):
     # registry gates: the candidate alias is set only when every gate passes
     register_name: str | None = None  # default "lmforge-<recipe name>"
     alias: str = "candidate"
-    gate_below_base: bool = True  # the fine-tuned model's held-out response loss must beat the base's
+    gates: list[Gate] = Field(default_factory=lambda: list(DEFAULT_GATES))  # candidate vs its base

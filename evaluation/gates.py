@@ -9,13 +9,22 @@ from training.stage import TrainedModel
 
 def gate_results(
     report: EvalReport, candidate: str, base: str | None, ref: TrainedModel, cfg: EvalConfig
-) -> dict[str, bool]:
-    """export_verified always; beats_base (SFT held-out response loss, else held-out text loss) when configured."""
+) -> tuple[dict[str, bool], list[str]]:
+    """(checked gates -> passed, declared gates not checked): `export_verified` always, then each of the
+    recipe's `eval.gates` comparing the candidate with its base, when both were measured."""
     gates = {"export_verified": bool(ref.export_valid)}
-    if cfg.gate_below_base and base is not None and base != candidate:
-        for metric in ("sft-heldout-em/response_loss", "heldout/all/loss"):
-            ours, theirs = report.value(metric, candidate), report.value(metric, base)
-            if ours is not None and theirs is not None:
-                gates[f"beats_base:{metric}"] = ours < theirs
-                break
-    return gates
+    skipped = []
+    for gate in cfg.gates:
+        ours = report.value(gate.metric, candidate)
+        theirs = report.value(gate.metric, base) if base is not None and base != candidate else None
+        if ours is None or theirs is None:
+            skipped.append(gate.metric)
+        else:
+            gates[gate.metric] = gate.passes(ours, theirs)
+    return gates, skipped
+
+
+def describe_gates(gates: dict[str, bool], skipped: list[str]) -> str:
+    """One line: which gates were checked and how each went, and which declared ones could not be."""
+    line = "checked " + ", ".join(f"{name} {'pass' if ok else 'FAIL'}" for name, ok in gates.items())
+    return line + (f"; not checked (not measured): {', '.join(skipped)}" if skipped else "")

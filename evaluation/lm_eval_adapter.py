@@ -1,5 +1,10 @@
-"""An lm-evaluation-harness model over lmforge models: `lm_eval --model lmforge --model_args pretrained=<hf export>`
-(after `import evaluation.lm_eval_adapter`), or `LmforgeLM(eval_model)` passed to `lm_eval.simple_evaluate`.
+"""An lm-evaluation-harness model over lmforge models. From the shell, lm-eval's own CLI with this model
+registered (lm-eval has no plugin entry point for models):
+
+    python -m evaluation.lm_eval_adapter run --model lmforge --model_args pretrained=<hf export> --tasks ...
+
+In Python: `import evaluation.lm_eval_adapter` and `--model lmforge` / `get_model("lmforge")` resolve, as do
+lm-eval's own models (`hf`, ...); or pass `LmforgeLM(eval_model)` to `lm_eval.simple_evaluate`.
 
 It scores with the same batched code as lmforge's own tasks, so harness and built-in numbers agree.
 Offline use: local task YAMLs (`dataset_path: json`, `dataset_kwargs.data_files`) through `TaskManager(include_path=)`.
@@ -10,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lm_eval.models  # noqa: F401 - lm-eval lists its own models only into an empty registry: fill it first
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
@@ -103,3 +109,14 @@ def run_lm_eval(
         }
         for task, metrics in results["results"].items()
     }
+
+
+def main() -> None:
+    """lm-eval's command line with `--model lmforge` available."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

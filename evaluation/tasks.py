@@ -5,8 +5,8 @@ Task file format (one JSON object per line; the file name is the task name):
     {"prompt": "from os.path import", "choices": [" join", " loads", " sleep"], "answer": 0}   # multiple choice
     {"prompt": "Q: 2+2=\\nA:", "target": " 4", "stop": ["\\n"]}                                  # generation
 
-Multiple choice is scored by log-likelihood: accuracy, and accuracy normalised by each choice's length in bytes
-(lm-eval's acc_norm). Generation is greedy and scored by exact match after trimming whitespace; its
+Multiple choice is scored by log-likelihood: accuracy, and accuracy with each choice's log-likelihood divided by
+its length in characters (lm-eval's acc_norm, `api/task.py`, exactly). Generation is greedy and scored by exact match after trimming whitespace; its
 log-likelihood of the target (response loss, nats per token) is reported too.
 """
 
@@ -168,7 +168,7 @@ def run_task(em: EvalModel, task: Task, batch_size: int, max_new_tokens: int) ->
         acc = acc_norm = 0
         for item, (start, count) in zip(task.items, spans, strict=True):
             lp = [s.logprob for s in scored[start : start + count]]
-            norm = [v / len(c.encode()) for v, c in zip(lp, item.choices, strict=True)]
+            norm = [v / len(c) for v, c in zip(lp, item.choices, strict=True)]  # characters, as lm-eval
             acc += max(range(count), key=lp.__getitem__) == item.answer
             acc_norm += max(range(count), key=norm.__getitem__) == item.answer
         n = len(task.items)

@@ -348,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except (UserError, ValueError) as error:  # ValueError: the libraries' validation messages
-        print(f"lmforge: error: {expected_failure(error) or error}", file=sys.stderr)
+        print(f"lmforge: error: {error}", file=sys.stderr)
         return 2
     except Exception as error:
         if (line := expected_failure(error)) is None:

@@ -10,6 +10,7 @@ from flows.recipe import load_recipe
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from evaluation.gates import describe_gates
     from flows.stages import evaluate, load_model, register
 
     recipe = load_recipe(args.recipe, args.set)
@@ -22,7 +23,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         model_names = list(report.models)
         version = register(recipe, refs[-1], report, model_names[0] if len(model_names) > 1 else None)
         print(
-            f"registered {version.name} v{version.version}; gates {version.gates}; "
+            f"registered {version.name} v{version.version}; gates {describe_gates(version.gates, version.skipped)}; "
             f"alias {version.alias or '(not set: a gate failed)'}"
         )
     return 0

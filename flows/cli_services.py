@@ -94,9 +94,12 @@ def print_summary(summary: dict[str, Any]) -> None:
             print(f"  {metric:<32} " + "   ".join(f"{name} {value:.4f}" for name, value in values.items()))
     if "registered" in summary:
         reg = summary["registered"]
+        from evaluation.gates import describe_gates
+
         print(
-            f"\nRegistered: {reg['name']} v{reg['version']} (alias: {reg['alias'] or 'not set, a gate failed'}; gates {reg['gates']})"
+            f"\nRegistered: {reg['name']} v{reg['version']} (alias: {reg['alias'] or 'not set, a gate failed'})"
         )
+        print(f"  gates: {describe_gates(reg['gates'], reg['skipped'])}")
     seconds = summary["stage_seconds"]
     print(
         "\nStage times: "

@@ -20,7 +20,7 @@ def register_final(
     """Gate the model on the report; register it (alias only when every gate passes), tagged with whether the
     scaling law's prediction for its pretrained base held."""
     names = list(report.models)
-    gates = gate_results(report, names[-1], base_name, ref, recipe.eval)
+    gates, skipped = gate_results(report, names[-1], base_name, ref, recipe.eval)
     name = recipe.eval.register_name or f"lmforge-{recipe.name.removesuffix('-optimal')}"
     lines = [
         f"{m}: {v.get(names[-1])}"
@@ -37,6 +37,7 @@ def register_final(
         report.path,
         "\n".join(lines),
         scaling_tags(scaling),
+        skipped,
     )
 
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from infra.tracking import TrackingConfig, tracking_uri
 
 PYFUNC_CODE = Path(__file__).with_name("pyfunc_model.py")
+SKIPPED_TAG = "lmforge.gates_skipped"
 
 
 class RegisteredVersion(BaseModel):
@@ -19,7 +20,8 @@ class RegisteredVersion(BaseModel):
     version: str
     model_uri: str
     alias: str | None  # set when every gate passed
-    gates: dict[str, bool]
+    gates: dict[str, bool]  # the gates checked, and whether each passed
+    skipped: list[str] = []  # declared gates that could not be checked (a metric the report lacks)
 
 
 def log_pyfunc(uri: str, run_id: str, hf_export: str | Path, name: str = "model") -> str:
@@ -56,6 +58,7 @@ def register(
     report_dir: str | Path | None = None,
     description: str = "",
     tags: dict[str, str] | None = None,
+    skipped: list[str] = (),
 ) -> RegisteredVersion:
     """Log `ref`'s export as a pyfunc into its own MLflow run, register a version, attach the eval report,
     and point `alias` at it when every gate passes."""
@@ -76,12 +79,14 @@ def register(
         gates = {
             k.removeprefix("gate."): v == "true" for k, v in existing.tags.items() if k.startswith("gate.")
         }
+        skipped = existing.tags.get(SKIPPED_TAG, "")
         return RegisteredVersion(
             name=registered_name,
             version=str(existing.version),
             model_uri=existing.source,
             alias=aliases[0] if aliases else None,
             gates=gates,
+            skipped=skipped.split(",") if skipped else [],
         )
     if report_dir is not None:
         client.log_artifacts(ref.mlflow_run_id, str(report_dir), "eval_report")
@@ -91,7 +96,7 @@ def register(
     for gate, passed in gates.items():
         client.set_model_version_tag(registered_name, version.version, f"gate.{gate}", str(passed).lower())
     client.set_model_version_tag(registered_name, version.version, "lmforge.run_dir", ref.run_dir)
-    for key, value in (tags or {}).items():
+    for key, value in {**(tags or {}), **({SKIPPED_TAG: ",".join(skipped)} if skipped else {})}.items():
         client.set_model_version_tag(registered_name, version.version, key, value)
     if description:
         client.update_model_version(registered_name, version.version, description=description)
@@ -104,6 +109,7 @@ def register(
         model_uri=model_uri,
         alias=alias if passed else None,
         gates=gates,
+        skipped=list(skipped),
     )
 
 

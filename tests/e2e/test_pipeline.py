@@ -16,6 +16,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from flows.recipe import load_recipe
 from infra.services import free_port, start_mlflow, start_prefect, stop
 from infra.storage import sha256_file
 from tests.pretrain_helpers import clean_env, lmforge_command, smoke_overrides, with_sets
@@ -127,12 +128,24 @@ def test_mlflow_holds_the_lineage(served_run):
     sft_artifacts = {a.path for a in client.list_artifacts(children["sft"].info.run_id)}
     assert {"adapter", "hf_export", "eval_report"} <= sft_artifacts
     assert "eval/report.md" in {a.path for a in client.list_artifacts(children["eval"].info.run_id, "eval")}
-    version = client.get_model_version_by_alias("lmforge-smoke", "candidate")
+    (found,) = client.search_model_versions("name='lmforge-smoke'")
+    version = client.get_model_version("lmforge-smoke", found.version)
     assert version.tags["gate.export_verified"] == "true"
+    gates = {k: v for k, v in version.tags.items() if k.startswith("gate.")}
+    declared = {f"gate.{g.metric}" for g in load_recipe("smoke").eval.gates}
+    assert set(gates) | {
+        f"gate.{m}" for m in version.tags.get("lmforge.gates_skipped", "").split(",") if m
+    } == {
+        "gate.export_verified",
+        *declared,
+    }
+    assert ("candidate" in version.aliases) == all(
+        v == "true" for v in gates.values()
+    )  # alias iff all passed
     assert Path(version.tags["lmforge.run_dir"]).parent.name == "sft"
     assert version.tags["scaling.prediction_held"] in ("true", "false")
     mlflow.set_tracking_uri(ml.url)
-    model = mlflow.pyfunc.load_model("models:/lmforge-smoke@candidate")
+    model = mlflow.pyfunc.load_model(f"models:/lmforge-smoke/{version.version}")
     assert isinstance(model.predict(["def "])[0], str)
 
 

@@ -31,7 +31,9 @@ def test_a_full_disk_is_one_line_naming_the_fix() -> None:
             f.flush()
 
     line = expected_failure(_raised(write))
-    assert line.startswith("disk full ([Errno 28] No space left on device)") and "rerun the same command" in line
+    assert (
+        line.startswith("disk full ([Errno 28] No space left on device)") and "rerun the same command" in line
+    )
     line = expected_failure(_raised(lambda: torch.save({"w": torch.zeros(100_000)}, "/dev/full")))
     assert line.startswith("torch could not write a checkpoint file") and "disk is full" in line
 

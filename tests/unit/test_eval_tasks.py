@@ -183,3 +183,37 @@ def test_expert_load_shares_sum_to_one_per_layer():
         assert 1.0 <= load_imbalance(shares) <= 4.0
     spectra = weight_spectra(model)
     assert any(".experts." in k for k in spectra) and all(v["effective_rank"] > 0 for v in spectra.values())
+
+
+def test_gates_compare_in_each_metrics_direction_and_name_what_was_not_measured() -> None:
+    from types import SimpleNamespace
+
+    from evaluation.config import EvalConfig, Gate
+    from evaluation.gates import describe_gates, gate_results
+    from evaluation.report import EvalReport
+
+    assert Gate(metric="heldout/all/bits_per_byte", tolerance=0.02).passes(1.02, 1.0)
+    assert not Gate(metric="heldout/all/bits_per_byte", tolerance=0.02).passes(1.03, 1.0)
+    assert not Gate(metric="x/response_loss", improve=True).passes(2.0, 2.0)
+    assert Gate(metric="stdlib-import-mc/acc", tolerance=0.1).passes(0.36, 0.40)
+    assert not Gate(metric="stdlib-import-mc/acc").passes(0.37, 0.40)
+
+    report = EvalReport.model_construct(
+        metrics={
+            "heldout/all/bits_per_byte": {"pretrain": 2.0, "lora": 2.2},
+            "stdlib-import-mc/acc": {"pretrain": 0.4, "lora": 0.45},
+        }
+    )
+    cfg = EvalConfig()
+    ref = SimpleNamespace(export_valid=True)
+    gates, skipped = gate_results(report, "lora", "pretrain", ref, cfg)
+    assert gates == {
+        "export_verified": True,
+        "heldout/all/bits_per_byte": False,
+        "stdlib-import-mc/acc": True,
+    }
+    assert skipped == ["sft-heldout-em/response_loss"]
+    assert describe_gates(gates, skipped) == (
+        "checked export_verified pass, heldout/all/bits_per_byte FAIL, stdlib-import-mc/acc pass; "
+        "not checked (not measured): sft-heldout-em/response_loss"
+    )

@@ -149,7 +149,7 @@ def test_shard_overwritten_in_place_is_refused_before_training(tokenized, tmp_pa
     shutil.copytree(manifest.path, copy)
     moved = manifest.model_copy(update={"path": str(copy)})
     PackedLoader(moved, seq_len=32, batch_size=2)  # verified once, recorded
-    assert set(json.loads((copy / ".verified.json").read_text())) == {
+    assert set(json.loads((copy / ".verified.json").read_text())) >= {
         s.file for s in moved.splits["train"].shards
     }
     shard = copy / "train-00001.arrow"
