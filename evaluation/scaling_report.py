@@ -277,6 +277,9 @@ def write_fit_plots(fit: ScalingFit, points: ScalingPoints, out: Path) -> None:
     write_plots(points, fit.to_law(), iso, fit, out)
 
 
+WIDE_INTERVAL = 3.0  # an exponent interval wider than this ratio gets a warning in the headline
+
+
 def headline(fit: ScalingFit) -> str:
     """A few lines for the terminal: the law with intervals and the compute-optimal size."""
     law, ci, opt = fit.law, fit.intervals, fit.optimal
@@ -298,6 +301,13 @@ def headline(fit: ScalingFit) -> str:
             f"  warning: E={law['E']:.3g} sits at its bound (interval {ci['E'][0]:.3g}–{ci['E'][1]:.3g}): the data "
             "do not identify the irreducible loss; widen the budgets or sizes"
         )
+    for k in ("alpha", "beta"):
+        low, high = ci[k]
+        if low <= 0 or high / low > WIDE_INTERVAL:
+            lines.append(
+                f"  warning: {k}'s 95% interval [{low:.3g}, {high:.3g}] spans more than {WIDE_INTERVAL:g}x: the sweep "
+                "does not pin this exponent (nor N* far from its budgets); add sizes or budgets"
+            )
     if fit.moe:
         lines.append(f"  (MoE: N counts active parameters; total at the optimum ≈ {opt.n_total_opt:.4g})")
     if fit.holdout and "mean_rel_error" in fit.holdout:

@@ -63,7 +63,6 @@ def pipeline_params(args: argparse.Namespace) -> Any:
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
     from flows.recipe import load_recipe
-    from infra.tracking import tracking_uri
 
     recipe = load_recipe(args.recipe, args.set)  # refuse bad input before starting anything
     state = Path(recipe.output_dir) / "services"
@@ -72,16 +71,44 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
         summary = pipeline(pipeline_params(args))
     print_summary(summary)
-    uri = tracking_uri(recipe.tracking, recipe.output_dir)
-    print("\nReview the results:")
-    print(
-        f"  MLflow:  .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000   # then http://127.0.0.1:5000"
-    )
-    if not os.environ.get("PREFECT_API_URL"):
-        print(
-            f"  Prefect: PREFECT_HOME={(state / 'prefect').resolve()} .venv/bin/prefect server start   # then http://127.0.0.1:4200/runs"
-        )
+    print_review(recipe, state)
     return 0
+
+
+def print_review(recipe: Any, state: Path) -> None:
+    """Commands (absolute, so they work from any directory) that open the MLflow and Prefect UIs on this run."""
+    import sys
+
+    from infra.tracking import tracking_uri
+
+    uri = tracking_uri(recipe.tracking, recipe.output_dir)
+    bin_dir = Path(sys.executable).parent.resolve()
+    experiment = _experiment_id(uri, recipe.tracking.experiment)
+    runs = f"#/experiments/{experiment}/runs" if experiment else ""
+    print("\nReview the results:")
+    if uri.startswith(("http://", "https://")):
+        print(f"  MLflow:  {uri.rstrip('/')}/{runs}")
+    else:
+        print(
+            f"  MLflow:  {bin_dir / 'mlflow'} ui --backend-store-uri {uri} --port 5000   # then http://127.0.0.1:5000/{runs}"
+        )
+    if os.environ.get("PREFECT_API_URL"):
+        print(f"  Prefect: {os.environ['PREFECT_API_URL'].removesuffix('/api')}/runs")
+    else:
+        print(
+            f"  Prefect: PREFECT_HOME={(state / 'prefect').resolve()} {bin_dir / 'prefect'} server start --port 4200"
+            "   # then http://127.0.0.1:4200/runs (another --port moves both)"
+        )
+
+
+def _experiment_id(uri: str, name: str) -> str | None:
+    try:
+        import mlflow
+
+        experiment = mlflow.MlflowClient(uri).get_experiment_by_name(name)
+    except Exception:  # noqa: BLE001 - the link then lands on the experiments list
+        return None
+    return experiment.experiment_id if experiment else None
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -93,13 +120,17 @@ def print_summary(summary: dict[str, Any]) -> None:
         for metric, values in summary["eval"].items():
             print(f"  {metric:<32} " + "   ".join(f"{name} {value:.4f}" for name, value in values.items()))
     if "registered" in summary:
-        reg = summary["registered"]
         from evaluation.gates import describe_gates
 
+        reg = summary["registered"]
         print(
             f"\nRegistered: {reg['name']} v{reg['version']} (alias: {reg['alias'] or 'not set, a gate failed'})"
         )
         print(f"  gates: {describe_gates(reg['gates'], reg['skipped'])}")
+    if summary.get("outputs"):
+        print("\nOutputs:")
+        for what, where in summary["outputs"].items():
+            print(f"  {what:<18} {where}")
     seconds = summary["stage_seconds"]
     print(
         "\nStage times: "

@@ -197,17 +197,16 @@ def pipeline(
         summary |= {"law": law.law, "intervals": law.intervals, "chosen": note}
     progress = run.steps("pretrain", final.train.max_steps)
     base = timed(times, "pretrain", run, pretrain, final, data, progress=progress)
+    outputs = {"token shards": data.path, "pretrained model": base.hf_export}
     numbers = {"val loss": base.final_val_loss, "steps": base.step, "export verified": base.export_valid}
     run.publish("pretrain", recipe, numbers, base.mlflow_run_id)
     if law is not None:
         from evaluation.scaling_report import headline
 
         law = timed(times, "check", run, check, recipe, result, law, base)
-        summary |= {
-            "rung": fit_headline(law),
-            "scaling": headline(law),
-            "fit": str(fit_dir(result, budget)),
-        }
+        summary |= {"rung": fit_headline(law), "scaling": headline(law), "fit": str(fit_dir(result, budget))}
+        outputs["scaling fit"] = str(fit_dir(result, budget) / "fit.json")
+        outputs["scaling plots"] = str(fit_dir(result, budget) / "*.png")
         run.publish("fit", recipe, {**summary["rung"], "chosen size": note}, result.mlflow_run_id)
     models, heldout = [base], None
     if options.finetune:
@@ -217,16 +216,21 @@ def pipeline(
         run.publish("finetune", recipe, tuned.summary, tuned.mlflow_run_id)
         models.append(tuned)
         heldout = str(Path(examples.path) / "heldout.jsonl")
+        outputs |= {
+            "fine-tuned model": tuned.hf_export,
+            **({"LoRA adapter": tuned.adapter} if tuned.adapter else {}),
+        }
     report = timed(times, "evaluate", run, evaluate, final, models, heldout)
     run.publish("evaluate", recipe, eval_headline(report), report.mlflow_run_id)
     summary |= {"eval": eval_headline(report), "report": str(Path(report.path) / "report.md")}
+    outputs["eval report"] = summary["report"]
     if options.register_model:
         base_name = list(report.models)[0] if len(models) > 1 else None
         version = timed(times, "register", run, register, final, models[-1], report, base_name, law)
         summary["registered"] = version.model_dump()
         numbers = {"model": version.name, "version": version.version, "alias": version.alias, **version.gates}
         run.publish("register", recipe, numbers)
-    summary["stage_seconds"] = times
+    summary |= {"stage_seconds": times, "outputs": outputs}
     return summary
 
 

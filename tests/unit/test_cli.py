@@ -126,3 +126,25 @@ def test_a_missing_base_run_is_one_line(capsys: pytest.CaptureFixture[str], tmp_
     (tmp_path / "unfinished").mkdir()
     assert main(["eval", "smoke", str(tmp_path / "unfinished")]) == 2
     assert "has not finished" in capsys.readouterr().err
+
+
+def test_review_commands_are_absolute_and_link_the_experiments_runs(tmp_path: Path, capsys, monkeypatch) -> None:
+    import mlflow
+
+    from flows.cli_services import print_review
+    from flows.recipe import load_recipe
+    from infra.tracking import tracking_uri
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.delenv("LMFORGE_TRACKING_URI", raising=False)
+    recipe = load_recipe("smoke", [f"output_dir={tmp_path}"])
+    experiment = mlflow.MlflowClient(tracking_uri(recipe.tracking, tmp_path)).create_experiment(
+        recipe.tracking.experiment
+    )
+    print_review(recipe, tmp_path / "services")
+    out = capsys.readouterr().out
+    mlflow_line = next(line for line in out.splitlines() if "MLflow:" in line)
+    assert mlflow_line.split()[1] == str(Path(sys.executable).parent.resolve() / "mlflow")
+    assert f"http://127.0.0.1:5000/#/experiments/{experiment}/runs" in mlflow_line
+    prefect_line = next(line for line in out.splitlines() if "Prefect:" in line)
+    assert f"{Path(sys.executable).parent.resolve() / 'prefect'} server start --port 4200" in prefect_line

@@ -12,7 +12,7 @@ import pytest
 from evaluation.chinchilla_fit import Law, batched_lbfgs, batched_objective, bootstrap, fit_law, grid_starts
 from evaluation.isoflop import fit_parabolas
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points, points_from_table
-from evaluation.scaling_report import run_fit_scaling
+from evaluation.scaling_report import headline, run_fit_scaling
 
 TRUE = Law(E=1.7, A=400.0, B=1500.0, alpha=0.34, beta=0.30)
 COARSE = grid_starts()[::7]  # 643 starts: enough for these tests, a few times faster than the full grid
@@ -110,6 +110,16 @@ def test_run_fit_scaling_writes_fit_json_and_plots(tmp_path):
     assert saved["holdout"]["n_test"] == 8 and saved["holdout"]["mean_rel_error"] < 0.02
     for name in ("isoflop.png", "contours.png", "residuals.png"):
         assert (tmp_path / "fit" / name).read_bytes()[:4] == b"\x89PNG"
+    assert "warning" not in headline(fit)  # a well-identified law
+    loose = fit.model_copy(
+        update={
+            "law": {**fit.law, "E": 0.0},
+            "intervals": {**fit.intervals, "E": [0.0, 0.0], "alpha": [0.05, 1.1]},
+        }
+    )
+    text = headline(loose)
+    assert "warning: E=0 sits at its bound" in text
+    assert "warning: alpha's 95% interval [0.05, 1.1] spans more than 3x" in text and "beta's" not in text
 
 
 # ---- bad input ------------------------------------------------------------------------------------------
