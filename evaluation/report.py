@@ -153,17 +153,25 @@ def run_eval(
         "sft_heldout": sha256_file(sft_heldout) if sft_heldout else None,
     }
     step = Step("eval", spec.name, EVAL_VERSION, config, EvalReport, dict(zip(names, models, strict=True)))
-    return run_step(spec.output_dir, step, lambda out, _key: _evaluate(spec, models, names, sft_heldout, out))
+    return run_step(
+        spec.output_dir, step, lambda out, key: _evaluate(spec, models, names, sft_heldout, out, key)
+    )
 
 
 def _evaluate(
-    spec: EvalSpec, models: list[TrainedModel], names: list[str], sft_heldout: str | Path | None, out: Path
+    spec: EvalSpec,
+    models: list[TrainedModel],
+    names: list[str],
+    sft_heldout: str | Path | None,
+    out: Path,
+    key: str = "",
 ) -> EvalReport:
     cfg = spec.eval
     loaded = [load_for_eval(ref, name) for name, ref in zip(names, models, strict=True)]  # refuse before work
     docs = heldout_documents(spec.data, cfg.max_documents)
     tasks = build_tasks(cfg, sft_heldout)
-    with tracked_run(spec.tracking, spec.output_dir, f"eval-{spec.name}", {"lmforge.stage": "eval"}) as run:
+    tags = {"lmforge.stage": "eval", "lmforge.config_digest": key}
+    with tracked_run(spec.tracking, spec.output_dir, f"eval-{spec.name}", tags) as run:
         tracker = run.tracker()
         tracker.log_params(
             {

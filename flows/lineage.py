@@ -10,8 +10,7 @@ from typing import Any
 
 from data_pipeline.shards import DatasetManifest
 from flows.recipe import Recipe
-from infra.tracking import TrackedRun, open_run
-from training.stage import git_revision
+from infra.tracking import TrackedRun, git_revision, open_run
 
 
 def flow_run_id() -> str:
@@ -75,3 +74,30 @@ def finish_parent(run: TrackedRun, status: str, summary: dict[str, Any]) -> None
             registered = summary["registered"]
             run.set_tags({"lmforge.registered": f"{registered['name']}/{registered['version']}"})
     run.finish(status)
+
+
+def record_stage(
+    recipe: Recipe,
+    stage: str,
+    digest: str,
+    metrics: dict[str, float],
+    params: dict[str, Any] | None = None,
+    artifacts: tuple[Path, ...] = (),
+    tags: dict[str, str] | None = None,
+) -> str | None:
+    """A run of its own, nested under the pipeline's, for a stage that trains nothing (tokenize, fit, register),
+    so the lineage shows every stage with its config digest, git revision, numbers and files."""
+    if not recipe.tracking.enabled:
+        return None
+    run_tags = {"lmforge.stage": stage, "lmforge.config_digest": digest, **(tags or {})}
+    run = open_run(recipe.tracking, recipe.output_dir, f"{stage}-{recipe.name}", run_tags)
+    tracker = run.tracker()
+    tracker.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, step=0)
+    if params:
+        tracker.log_params(params)
+    for path in artifacts:
+        if path.exists():
+            tracker.log_artifact(path, stage)
+    tracker.flush()
+    run.finish()
+    return run.run_id

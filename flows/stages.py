@@ -163,7 +163,9 @@ def pipeline(
 ) -> dict[str, Any]:
     """Raw text to an evaluated, registered model; returns the summary (stage times, law, eval, registry).
     `on_data` sees the token shards as soon as they exist (the pipeline flow logs them as an MLflow input)."""
+    from flows.lineage import record_stage
     from flows.scaling import fit_dir, size_for_budget, target_budget
+    from infra.storage import sha256_file
 
     times: dict[str, float] = {}
     summary: dict[str, Any] = {}
@@ -175,6 +177,19 @@ def pipeline(
         "tokenize",
         recipe,
         {"tokens (train)": train_split.n_tokens, "tokens (val)": val_split.n_tokens, "directory": data.path},
+    )
+    record_stage(
+        recipe,
+        "tokenize",
+        data.key,
+        {
+            "tokens/train": train_split.n_tokens,
+            "tokens/val": val_split.n_tokens,
+            "docs/train": train_split.n_docs,
+        },
+        {"data": recipe.data.model_dump(mode="json")},
+        (Path(data.path) / "manifest.json",),
+        {"lmforge.data_digest": data.digest(), "lmforge.run_dir": data.path},
     )
     final, law = recipe, None
     if options.size == "fit":
@@ -208,6 +223,18 @@ def pipeline(
         outputs["scaling fit"] = str(fit_dir(result, budget) / "fit.json")
         outputs["scaling plots"] = str(fit_dir(result, budget) / "*.png")
         run.publish("fit", recipe, {**summary["rung"], "chosen size": note}, result.mlflow_run_id)
+        fitted = fit_dir(result, budget)
+        numbers = {f"fit/{k}": v for k, v in summary["rung"].items() if isinstance(v, int | float)}
+        files = (fitted / "fit.json", *sorted(fitted.glob("*.png")))
+        record_stage(
+            recipe,
+            "fit",
+            sha256_file(fitted / "fit.json"),
+            numbers,
+            {"budget": budget},
+            files,
+            {"lmforge.run_dir": str(fitted)},
+        )
     models, heldout = [base], None
     if options.finetune:
         examples = timed(times, "sft_data", run, sft_data, final, base)
@@ -230,6 +257,17 @@ def pipeline(
         summary["registered"] = version.model_dump()
         numbers = {"model": version.name, "version": version.version, "alias": version.alias, **version.gates}
         run.publish("register", recipe, numbers)
+        record_stage(
+            recipe,
+            "register",
+            models[-1].key,
+            {f"gate/{k}": float(v) for k, v in version.gates.items()},
+            {"gates_skipped": ",".join(version.skipped) or "none"},
+            tags={
+                "lmforge.registered": f"{version.name}/{version.version}",
+                "lmforge.alias": str(version.alias),
+            },
+        )
     summary |= {"stage_seconds": times, "outputs": outputs}
     return summary
 

@@ -9,8 +9,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+# a secret-looking word in a key, delimited by start/end or _ - . (so `auth_token` and `MLFLOW_TRACKING_PASSWORD`
+# match, `shard_tokens`, `max_new_tokens` and `tokenizer` do not)
 SECRET_NAME = re.compile(
-    r"pass(word)?|secret|token|api[_-]?key|access[_-]?key|auth[_-]?string|credential", re.I
+    r"(^|[_.-])(pass(word|wd|phrase)?|secrets?|token|api[_-]?key|access[_-]?key|private[_-]?key|"
+    r"auth[_-]?string|credentials?)($|[_.-])",
+    re.I,
 )
 REDACTED = "***"
 

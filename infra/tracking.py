@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -175,6 +177,18 @@ class TrackedRun(BaseModel):
             mlflow.log_input(dataset, context="training")
 
 
+@lru_cache(maxsize=1)
+def git_revision() -> str:
+    """The checkout's commit (every run is tagged with it), or "unknown" outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def existing_run(cfg: TrackingConfig, output_dir: str | Path, run_id: str | None) -> TrackedRun:
     """The `TrackedRun` of a run created earlier (by id), in the store this config points at."""
     if not cfg.enabled or run_id is None:
@@ -195,7 +209,7 @@ def open_run(
     import mlflow
 
     uri = tracking_uri(cfg, output_dir)
-    tags = redact({**cfg.tags, **tags})
+    tags = redact({"lmforge.git": git_revision(), **cfg.tags, **tags})
     if cfg.parent_run_id:
         tags["mlflow.parentRunId"] = cfg.parent_run_id
     client = mlflow.MlflowClient(uri)

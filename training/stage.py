@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from torch import nn
 from data_pipeline.loader import SampledLoader
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json
-from infra.tracking import TrackedRun, Tracker, tracked_run
+from infra.tracking import TrackedRun, Tracker, git_revision, tracked_run
 from training import checkpoint as ckpt
 from training.accounting import flops_per_token
 from training.config import TrainConfig, TrainingSpec
@@ -266,13 +265,3 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
 
 def val_losses(run_dir: str | Path) -> list[float]:
     return [m["val/loss"] for m in read_metrics(run_dir) if "val/loss" in m]
-
-
-def git_revision() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"

@@ -38,7 +38,7 @@ from training.loop import TrainingHalted
 from training.model import ModelConfig, depth_dial
 from training.optim import decay_start
 from training.pretrain import PRETRAIN, PretrainSpec, run_pretrain
-from training.stage import TrainedModel, git_revision, read_metrics, training_step
+from training.stage import TrainedModel, read_metrics, training_step
 
 log = logging.getLogger(__name__)
 SWEEP_VERSION = 3
@@ -356,7 +356,7 @@ def run_sweep(spec: SweepSpec, data: DatasetManifest, progress: TrialProgress | 
     config = {"sweep": spec.sweep.model_dump(mode="json", exclude={"target_budget"}), "runs": spec.base.key()}
     step = Step("sweep", spec.name, SWEEP_VERSION, config, SweepResult, {"data": data})
     return run_step(
-        spec.output_dir, step, lambda out, _key: _sweep(spec, data, plans, skipped, out, progress)
+        spec.output_dir, step, lambda out, key: _sweep(spec, data, plans, skipped, out, progress, key)
     )
 
 
@@ -367,10 +367,11 @@ def _sweep(
     skipped: list[str],
     sweep_dir: Path,
     progress: TrialProgress | None,
+    key: str = "",
 ) -> SweepResult:
     state_path = sweep_dir / "state.json"
     parent = json.loads(state_path.read_text()).get("mlflow_run_id") if state_path.is_file() else None
-    tags = {"lmforge.stage": "sweep", "lmforge.git": git_revision(), "lmforge.data_digest": data.digest()}
+    tags = {"lmforge.stage": "sweep", "lmforge.config_digest": key, "lmforge.data_digest": data.digest()}
     with tracked_run(spec.tracking, spec.output_dir, f"sweep-{spec.name}", tags, parent) as run:
         atomic_write_json(state_path, {"mlflow_run_id": run.run_id})
         tracker = run.tracker()

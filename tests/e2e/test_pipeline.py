@@ -97,7 +97,13 @@ def test_mlflow_holds_the_lineage(served_run):
         for r in runs
         if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
     }
-    assert set(children) >= {"sweep", "pretrain", "sft", "eval"}
+    assert set(children) >= {"tokenize", "sweep", "fit", "pretrain", "sft", "eval", "register"}
+    for stage, child in children.items():  # every stage run says which code and which config made it
+        assert (
+            len(child.data.tags["lmforge.git"]) in (40, 7) or child.data.tags["lmforge.git"] == "unknown"
+        ), stage
+        assert child.data.tags["lmforge.config_digest"], stage
+    assert {a.path for a in client.list_artifacts(children["fit"].info.run_id, "fit")} >= {"fit/fit.json"}
     sweep = children["sweep"]
     trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == sweep.info.run_id]
     assert len(trials) == 7 and all(r.data.tags["prefect.flow_run_id"] == str(flow_run.id) for r in trials)

@@ -25,6 +25,16 @@ def test_redaction_rules():
         "x.password": "",
     }
     assert strip_credentials("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"
+    secret = ["hf_token", "MLFLOW_TRACKING_PASSWORD", "aws.secret_access_key", "auth-string", "s.credentials"]
+    harmless = [
+        "data.shard_tokens",
+        "eval.max_new_tokens",
+        "data.tokenizer.path",
+        "train.passes",
+        "tokens_per_s",
+    ]
+    masked = redact(dict.fromkeys(secret + harmless, "v"))
+    assert [k for k, v in masked.items() if v == REDACTED] == secret
 
 
 def test_recipes_refuse_credentials():

@@ -128,7 +128,9 @@ def test_a_missing_base_run_is_one_line(capsys: pytest.CaptureFixture[str], tmp_
     assert "has not finished" in capsys.readouterr().err
 
 
-def test_review_commands_are_absolute_and_link_the_experiments_runs(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_review_commands_are_absolute_and_link_the_experiments_runs(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
     import mlflow
 
     from flows.cli_services import print_review
