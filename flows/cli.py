@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -342,7 +343,14 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Offline-friendly defaults, unless the user set them: MLflow's telemetry (which logs errors without a network)
+# and Ray's usage stats stay off.
+QUIET_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
     args = build_parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:

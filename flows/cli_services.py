@@ -79,11 +79,11 @@ def print_review(recipe: Any, state: Path) -> None:
     """Commands (absolute, so they work from any directory) that open the MLflow and Prefect UIs on this run."""
     import sys
 
-    from infra.tracking import tracking_uri
+    from infra.tracking import find_experiment, tracking_uri
 
     uri = tracking_uri(recipe.tracking, recipe.output_dir)
     bin_dir = Path(sys.executable).parent.resolve()
-    experiment = _experiment_id(uri, recipe.tracking.experiment)
+    experiment = find_experiment(uri, recipe.tracking.experiment)
     runs = f"#/experiments/{experiment}/runs" if experiment else ""
     print("\nReview the results:")
     if uri.startswith(("http://", "https://")):
@@ -99,16 +99,6 @@ def print_review(recipe: Any, state: Path) -> None:
             f"  Prefect: PREFECT_HOME={(state / 'prefect').resolve()} {bin_dir / 'prefect'} server start --port 4200"
             "   # then http://127.0.0.1:4200/runs (another --port moves both)"
         )
-
-
-def _experiment_id(uri: str, name: str) -> str | None:
-    try:
-        import mlflow
-
-        experiment = mlflow.MlflowClient(uri).get_experiment_by_name(name)
-    except Exception:  # noqa: BLE001 - the link then lands on the experiments list
-        return None
-    return experiment.experiment_id if experiment else None
 
 
 def print_summary(summary: dict[str, Any]) -> None:

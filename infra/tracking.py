@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -110,6 +111,17 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def find_experiment(uri: str, name: str) -> str | None:
+    """The id of experiment `name` in the store at `uri`, or None (absent, or the store cannot be reached)."""
+    try:
+        import mlflow
+
+        experiment = mlflow.MlflowClient(uri).get_experiment_by_name(name)
+    except Exception:  # noqa: BLE001 - a link without the experiment still opens the UI
+        return None
+    return experiment.experiment_id if experiment else None
+
+
 def _experiment_id(uri: str, cfg: TrackingConfig, output_dir: str | Path) -> str:
     import mlflow
 
@@ -170,10 +182,17 @@ class TrackedRun(BaseModel):
             return
         import mlflow
         import pandas as pd
+        from mlflow.data.dataset_source_registry import get_registered_sources
 
         mlflow.set_tracking_uri(self.uri)
-        dataset = mlflow.data.from_pandas(pd.DataFrame(rows), source=source, name=name, digest=digest[:36])
-        with mlflow.start_run(run_id=self.run_id):
+        # the local source type named explicitly: resolving a bare path asks every source type and warns
+        local = next(s for s in get_registered_sources() if s._get_source_type() == "local")
+        source_uri = Path(source).resolve().as_uri()
+        with warnings.catch_warnings(), mlflow.start_run(run_id=self.run_id):
+            # shard counts are integers and never missing: MLflow's hint about integer columns is noise here
+            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
+            frame = pd.DataFrame(rows)
+            dataset = mlflow.data.from_pandas(frame, source=local(source_uri), name=name, digest=digest[:36])
             mlflow.log_input(dataset, context="training")
 
 

@@ -487,6 +487,9 @@ def _run_trials(
         data=data.model_dump_json(),
         report_every=sweep.report_every,
     )
+    os.environ.setdefault(
+        "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1"
+    )  # results go to MLflow and results.parquet
     tuner = tune.Tuner(
         tune.with_resources(trainable, {"cpu": sweep.cpus_per_trial, "gpu": sweep.gpus_per_trial}),
         param_space={"trial": tune.grid_search(list(range(len(todo))))},
