@@ -224,7 +224,13 @@ def pipeline(
         outputs["scaling plots"] = str(fit_dir(result, budget) / "*.png")
         run.publish("fit", recipe, {**summary["rung"], "chosen size": note}, result.mlflow_run_id)
         fitted = fit_dir(result, budget)
-        numbers = {f"fit/{k}": v for k, v in summary["rung"].items() if isinstance(v, int | float)}
+        numbers = {f"fit/{k}": v for k, v in law.law.items()} | {"fit/n_opt": law.optimal.n_opt}
+        if law.rung is not None and law.rung.measured_loss is not None:
+            numbers |= {
+                "fit/rung_predicted_loss": law.rung.loss,
+                "fit/rung_measured_loss": law.rung.measured_loss,
+            }
+            numbers |= {"fit/rung_rel_error": law.rung.rel_error, "fit/rung_held": float(law.rung.held)}
         files = (fitted / "fit.json", *sorted(fitted.glob("*.png")))
         record_stage(
             recipe,

@@ -11,6 +11,35 @@ import torch
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# What a user's shell may point at their real services (the README suggests exporting them after `lmforge up`):
+# tests start their own, so none of these may leak in.
+ISOLATED_ENV = (
+    "LMFORGE_TRACKING_URI",
+    "MLFLOW_TRACKING_URI",
+    "PREFECT_API_URL",
+    "PREFECT_API_AUTH_STRING",
+    "PREFECT_HOME",
+    "RAY_ADDRESS",
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN",
+    "RAY_AUTH_TOKEN_PATH",
+)
+for _name in ISOLATED_ENV:
+    os.environ.pop(_name, None)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_tracking_uri():
+    """`mlflow.set_tracking_uri` in one test (it also writes MLFLOW_TRACKING_URI) must not reach the next."""
+    yield
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    import sys
+
+    if "mlflow" in sys.modules:
+        from mlflow.tracking._tracking_service import utils
+
+        utils._tracking_uri = None
+
 
 @pytest.fixture
 def generator() -> torch.Generator:

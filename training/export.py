@@ -2,25 +2,61 @@
 
 The export is loaded back with `AutoModelForCausalLM.from_pretrained` and its logits on a fixed probe batch are
 compared with our model's; the maximum absolute difference is recorded in `export.json`, and an export above the
-tolerance is marked invalid (and must never be registered).
+tolerance is marked invalid (and must never be registered). That comparison starts from the same state dict, so
+it cannot see a wrong ZeRO gather or expert reassembly: with an `EngineCheck`, the exported weights must also
+reproduce the trained engine's own validation loss on the same batches.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from data_pipeline.config import END_OF_TURN
+from data_pipeline.loader import IGNORE_INDEX, Batch
 from data_pipeline.tokenizer import describe
 from infra.storage import atomic_write_json, damaged_file, file_records
 from training.hf_interop import build_hf_model, to_hf_state_dict
 from training.model import ModelConfig, Transformer
 
 TOLERANCE = 1e-4  # fp32 logits; the parity tests see ~1e-7
+ENGINE_TOLERANCE = {
+    "fp32": 1e-4,
+    "bf16": 2e-2,
+    "fp16": 2e-2,
+}  # relative; the engine evaluated in this precision
+
+
+@dataclass(frozen=True)
+class EngineCheck:
+    """The validation loss the trained engine measured at its last step, the batches it measured it on (every
+    rank's), and the relative difference the export may show (the engine's precision sets it)."""
+
+    loss: float
+    batches: list[Batch]
+    tolerance: float
+
+
+def mean_loss(model: torch.nn.Module, batches: list[Batch]) -> float:
+    """Token-weighted next-token cross-entropy of `model` over `batches` (fp32, the loop's `evaluate` rule)."""
+    total, units = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            logits = model(batch.inputs).logits.float()
+            total += float(
+                torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+            )
+            units += batch.n_targets()
+    return total / units
+
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -47,9 +83,14 @@ def set_special_tokens(hf_model: torch.nn.Module, tokenizer_dir: Path) -> None:
 
 
 def export_hf(
-    state_dict: dict[str, Tensor], cfg: ModelConfig, tokenizer_dir: str | Path | None, out: Path
+    state_dict: dict[str, Tensor],
+    cfg: ModelConfig,
+    tokenizer_dir: str | Path | None,
+    out: Path,
+    engine: EngineCheck | None = None,
 ) -> dict:
-    """Write a Hugging Face model directory from our fp32 state dict and verify it; returns the verification."""
+    """Write a Hugging Face model directory from our fp32 state dict and verify it (against the trained engine's
+    validation loss too, when given); returns the verification."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -83,6 +124,16 @@ def export_hf(
         "architecture": type(loaded).__name__,
         "files": file_records(staging),  # checked by `export_damage` before anyone loads it
     }
+    if engine is not None:
+        measured = mean_loss(loaded.eval(), engine.batches)
+        relative = abs(measured - engine.loss) / abs(engine.loss)
+        verification |= {
+            "engine_val_loss": engine.loss,
+            "export_val_loss": measured,
+            "engine_rel_diff": relative,
+            "engine_tolerance": engine.tolerance,
+            "valid": verification["valid"] and relative <= engine.tolerance,
+        }
     atomic_write_json(staging / "export.json", verification)
     if out.exists():
         shutil.rmtree(out)

@@ -24,7 +24,7 @@ from infra.steps import Artifact
 from infra.storage import MANIFEST
 from infra.tracking import Tracker
 from training.config import TrainingSpec, check_context
-from training.export import export_hf
+from training.export import ENGINE_TOLERANCE, EngineCheck, export_hf
 from training.loop import Batches
 from training.model import ModelConfig, Transformer
 from training.probe import TaskProbe
@@ -98,14 +98,24 @@ class Pretrain(TrainingStage):
         tokenizer = describe(Path(job.inputs["data"].tokenizer.path)).load()
         return TaskProbe(humaneval_pairs(tokenizer), job.spec.train.seq_len)
 
+    def engine_check(self, job: TrainingJob, val: list[float]) -> EngineCheck | None:
+        """The engine's final validation loss and every rank's validation batches it was measured on."""
+        if not val or not job.inputs["data"].splits["val"].n_docs:
+            return None
+        world, n = job.spec.parallel.world_size, job.spec.train.eval_batches
+        batches = [b for rank in range(world) for b in self.loaders(job, rank, world)[1].epoch_batches(n)]
+        return EngineCheck(val[-1], batches, ENGINE_TOLERANCE[job.spec.parallel.precision])
+
     def finalize(self, job: TrainingJob, final: Path, tracker: Tracker) -> TrainedModel:
         from training.parallel import fp32_state_dict
 
         data: DatasetManifest = job.inputs["data"]
         cfg: ModelConfig = job.spec.model
         state = fp32_state_dict(final, cfg.tie_embeddings)
-        verification = export_hf(state, cfg, data.tokenizer.path, job.run_dir / "hf")
         val = val_losses(job.run_dir)
+        verification = export_hf(
+            state, cfg, data.tokenizer.path, job.run_dir / "hf", self.engine_check(job, val)
+        )
         tracker.log_artifact(job.run_dir / "metrics.jsonl")
         return trained_model(
             job,

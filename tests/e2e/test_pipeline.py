@@ -55,21 +55,27 @@ def served_run(services, tmp_path_factory):
 
     try:
         with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+            from prefect.client.orchestration import get_client
             from prefect.deployments import run_deployment
+            from prefect.exceptions import ObjectNotFound
 
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    flow_run = run_deployment(
-                        "pipeline/lmforge",
-                        parameters={"params": {"recipe": "smoke", "overrides": smoke_overrides(out, *EVAL)}},
-                        timeout=1200,
-                    )
-                    break
-                except Exception:  # noqa: BLE001 - the deployment is not registered yet
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(2)
+            deadline = time.monotonic() + 120  # wait for the deployment, then start exactly one flow run
+            with get_client(sync_client=True) as client:
+                while True:
+                    try:
+                        client.read_deployment_by_name("pipeline/lmforge")
+                        break
+                    except ObjectNotFound:
+                        assert server.poll() is None, (state / "serve.log").read_text()[-3000:]
+                        assert time.monotonic() < deadline, (
+                            "`lmforge serve` registered no deployment in 120 s"
+                        )
+                        time.sleep(1)
+            flow_run = run_deployment(
+                "pipeline/lmforge",
+                parameters={"params": {"recipe": "smoke", "overrides": smoke_overrides(out, *EVAL)}},
+                timeout=1200,
+            )
             yield flow_run, out, ml, prefect
     finally:
         os.killpg(server.pid, signal.SIGTERM)

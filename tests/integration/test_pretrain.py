@@ -95,6 +95,41 @@ def test_hf_export_gives_our_logits(golden_run: TrainedModel) -> None:
         torch.testing.assert_close(ours.eval()(ids).logits, theirs.eval()(ids).logits, rtol=0, atol=1e-5)
 
 
+def test_export_must_reproduce_the_engines_validation_loss(golden_run: TrainedModel, tmp_path: Path) -> None:
+    """Not circular: the export is checked against the loss the trained engine measured, so weights that went
+    wrong between engine and export (a bad ZeRO gather, say) make it invalid."""
+    from data_pipeline.loader import PackedLoader
+    from data_pipeline.shards import DatasetManifest
+    from training.export import EngineCheck, export_hf
+    from training.model import ModelConfig
+    from training.parallel import fp32_state_dict
+
+    record = json.loads((Path(golden_run.hf_export) / "export.json").read_text())
+    assert record["engine_val_loss"] == golden_run.final_val_loss
+    assert record["engine_rel_diff"] <= 1e-5 and record["valid"]  # fp32: the same numbers, summed differently
+    cfg = ModelConfig(**golden_run.model)
+    data = DatasetManifest.load(next((Path(golden_run.run_dir).parents[1] / "tokenize").iterdir()))
+    recipe_train = json.loads((Path(golden_run.run_dir) / "spec.json").read_text())["train"]
+    val = PackedLoader(
+        data,
+        "val",
+        seq_len=recipe_train["seq_len"],
+        batch_size=recipe_train["micro_batch_size"],
+        shuffle=False,
+    )
+    check = EngineCheck(
+        golden_run.final_val_loss, list(val.epoch_batches(recipe_train["eval_batches"])), 1e-4
+    )
+    state = fp32_state_dict(Path(golden_run.checkpoint), cfg.tie_embeddings)
+    assert export_hf(state, cfg, data.tokenizer.path, tmp_path / "same", check)["valid"]
+    shuffled = dict(state)  # what a gather that mixes up two layers' shards would give
+    a, b = "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"
+    shuffled[a], shuffled[b] = state[b], state[a]
+    wrong = export_hf(shuffled, cfg, data.tokenizer.path, tmp_path / "wrong", check)
+    assert wrong["max_abs_logit_diff"] < 1e-5  # the logit comparison alone cannot tell
+    assert not wrong["valid"] and wrong["engine_rel_diff"] > 1e-3
+
+
 def test_rerun_of_a_finished_run_returns_it(golden_run: TrainedModel) -> None:
     manifest = Path(golden_run.run_dir) / "manifest.json"
     stamp = manifest.stat().st_mtime_ns
