@@ -122,9 +122,10 @@ def test_export_must_reproduce_the_engines_validation_loss(golden_run: TrainedMo
     )
     state = fp32_state_dict(Path(golden_run.checkpoint), cfg.tie_embeddings)
     assert export_hf(state, cfg, data.tokenizer.path, tmp_path / "same", check)["valid"]
-    shuffled = dict(state)  # what a gather that mixes up two layers' shards would give
-    a, b = "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"
-    shuffled[a], shuffled[b] = state[b], state[a]
+    shuffled = {}  # what a gather that concatenates two ranks' partitions in the wrong order gives
+    for name, tensor in state.items():
+        halves = tensor.flatten().chunk(2)
+        shuffled[name] = torch.cat(halves[::-1]).view_as(tensor) if len(halves) == 2 else tensor
     wrong = export_hf(shuffled, cfg, data.tokenizer.path, tmp_path / "wrong", check)
     assert wrong["max_abs_logit_diff"] < 1e-5  # the logit comparison alone cannot tell
     assert not wrong["valid"] and wrong["engine_rel_diff"] > 1e-3
