@@ -25,11 +25,9 @@ from training.hf_interop import build_hf_model, to_hf_state_dict
 from training.model import ModelConfig, Transformer
 
 TOLERANCE = 1e-4  # fp32 logits; the parity tests see ~1e-7
-ENGINE_TOLERANCE = {
-    "fp32": 1e-4,
-    "bf16": 2e-2,
-    "fp16": 2e-2,
-}  # relative; the engine evaluated in this precision
+# relative difference allowed between the engine's validation loss (in its precision) and the fp32 export's;
+# measured on CPU: fp32 5e-8, bf16 4e-5
+ENGINE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-3, "fp16": 5e-3}
 
 
 @dataclass(frozen=True)
