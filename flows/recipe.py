@@ -75,6 +75,14 @@ class Recipe(BaseModel):
                 "parallel.ep_size>1 runs DeepSpeed's MoE layer, whose top-1 gate does not renormalise the routing "
                 "weight (ours does); use model.moe.top_k>=2 or parallel.ep_size=1"
             )
+        for prefix, optim in (("optim", self.optim), ("finetune.optim", self.finetune.optim)):
+            if optim.name == "muon" and optim.grad_clip > 0 and par.zero_stage >= 1:
+                raise ValueError(
+                    f"{prefix}.name=muon with {prefix}.grad_clip={optim.grad_clip} under ZeRO-{par.zero_stage}: "
+                    "DeepSpeed clips Muon's orthogonalised update by its global norm, which shrinks every step (~30x "
+                    f"on the smoke model); set {prefix}.grad_clip=0 (Muon's update has a fixed scale) or "
+                    "parallel.zero_stage=0"
+                )
         for prefix, run in (("train", train), ("finetune.train", self.finetune.train)):
             check_batch(run, par, prefix)
             check_context(run, self.model.max_seq_len, prefix)

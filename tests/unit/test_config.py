@@ -177,3 +177,11 @@ def test_an_override_that_is_not_yaml_is_one_line_naming_the_fix() -> None:
     message = bad(["data.sources=[*.txt]"])
     assert "not valid YAML" in message and "data.sources=['*.txt']" in message
     assert load_recipe("smoke", ["data.sources=['*.txt']"]).data.sources == ("*.txt",)
+
+
+def test_muon_with_clipping_under_zero_is_refused():
+    message = bad(["optim.name=muon", "parallel.zero_stage=1"])
+    assert "clips Muon's orthogonalised update" in message and "optim.grad_clip=0" in message
+    assert "finetune.optim.grad_clip=0" in bad(["finetune.optim.name=muon", "parallel.zero_stage=2"])
+    load_recipe("smoke", ["optim.name=muon", "optim.grad_clip=0", "parallel.zero_stage=1"])
+    load_recipe("smoke", ["optim.name=muon", "parallel.zero_stage=0"])  # ZeRO-0: clipping precedes Muon
