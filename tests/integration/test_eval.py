@@ -77,8 +77,10 @@ def test_eval_run_is_in_mlflow(trained):
 def test_lm_eval_harness_runs_a_local_task_and_agrees_with_ours(trained, tmp_path):
     _, _, lora, _, _ = trained
     items = [
-        {"prompt": f"from {m} import", "choices": [" join", " sleep", " dumps"], "answer": i}
-        for i, m in enumerate(["os.path", "time", "json"] * 4)
+        {"prompt": f"from {m} import", "choices": [" join", " sleep", " dumps_everything"], "answer": i}
+        for i, m in enumerate(
+            ["os.path", "time", "json"] * 4
+        )  # choices of different lengths: acc_norm != acc
     ]
     data = tmp_path / "items.jsonl"
     data.write_text("\n".join(json.dumps({**it, "answer": it["answer"] % 3}) for it in items))
@@ -107,6 +109,33 @@ def test_lm_eval_harness_runs_a_local_task_and_agrees_with_ours(trained, tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     (saved,) = (tmp_path / "cli").rglob("results_*.json")
     assert "acc_norm,none" in json.loads(saved.read_text())["results"]["lmforge_stdlib_mc"]
+
+    # independent of our scorer: lm-eval's own `hf` model on the same export, per request and per metric
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from evaluation.scoring import score_continuations
+    from evaluation.tasks import _split_encode
+
+    base = load_for_eval(trained[1], "pretrain")
+    hf = simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={export},dtype=float32,device=cpu",
+        tasks=["lmforge_stdlib_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        batch_size=8,
+        log_samples=True,
+    )
+    for sample in hf["samples"]["lmforge_stdlib_mc"]:
+        item = items[sample["doc_id"]]
+        theirs = [float(response[0][0]) for response in sample["resps"]]
+        pairs = [_split_encode(base, item["prompt"], choice) for choice in item["choices"]]
+        assert theirs == pytest.approx(
+            [s.logprob for s in score_continuations(base.model, pairs, 8)], abs=1e-4
+        )
+    ours_base = run_task(base, load_task(data), batch_size=8, max_new_tokens=4)
+    assert hf["results"]["lmforge_stdlib_mc"]["acc,none"] == pytest.approx(ours_base["acc"])
+    assert hf["results"]["lmforge_stdlib_mc"]["acc_norm,none"] == pytest.approx(ours_base["acc_norm"])
 
 
 def test_pyfunc_model_generates_and_registry_gates(trained):
