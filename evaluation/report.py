@@ -79,7 +79,7 @@ def evaluate_model(
     held = heldout_metrics(em, docs, cfg.batch_size)
     metrics["eval/tokens_per_s"] = held["all"]["tokens"] / (time.perf_counter() - t0)
     for source, values in held.items():
-        for key in ("loss", "perplexity", "bits_per_byte"):
+        for key in ("loss", "perplexity", "bits_per_byte", "tokens", "bytes"):
             metrics[f"heldout/{source}/{key}"] = values[key]
     for task in tasks:
         for key, value in run_task(em, task, cfg.batch_size, cfg.max_new_tokens).items():

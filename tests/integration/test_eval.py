@@ -38,8 +38,17 @@ def trained(smoke_base, smoke_lora):
 def test_report_compares_models_side_by_side(trained):
     recipe, base, lora, _, report = trained
     assert list(report.models) == ["pretrain", "lora"]
+    from evaluation.heldout import heldout_documents
+
     held = report.metrics["heldout/all/bits_per_byte"]
-    assert all(1.0 < v < 8.0 for v in held.values())
+    n_bytes = sum(len(d.text.encode()) for d in heldout_documents(recipe.data, recipe.eval.max_documents))
+    for name in (
+        "pretrain",
+        "lora",
+    ):  # bits per byte = nats per token x tokens / (ln 2 x bytes), bytes counted here
+        assert report.metrics["heldout/all/bytes"][name] == n_bytes
+        tokens, loss = report.metrics["heldout/all/tokens"][name], report.metrics["heldout/all/loss"][name]
+        assert held[name] == pytest.approx(loss * tokens / (math.log(2) * n_bytes), rel=1e-12)
     loss = report.metrics["heldout/all/loss"]["pretrain"]
     assert report.metrics["heldout/all/perplexity"]["pretrain"] == pytest.approx(math.exp(loss))
     # fine-tuning on the SFT set lowers its held-out response loss

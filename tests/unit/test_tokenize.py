@@ -13,7 +13,7 @@ from data_pipeline.shards import DatasetManifest, ShardReader
 from data_pipeline.sources import Corpus, DataError
 from data_pipeline.tokenize import corpus_tokenizer, run_tokenize
 from data_pipeline.tokenizer import CHAT_TEMPLATE, EOS, describe, train_bpe
-from infra.storage import MANIFEST
+from infra.storage import MANIFEST, sha256_file
 
 
 def shard_digests(manifest: DatasetManifest) -> dict[str, list[str]]:
@@ -125,6 +125,11 @@ def test_corrupted_shard_is_not_kept_on_resume(
     shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")  # same size, different bytes
     resumed = run_tokenize(small_data_cfg, tmp_path)
     assert shard_digests(resumed) == shard_digests(manifest)
+    on_disk = {  # the files themselves, not the digests their sidecars claim
+        split: [sha256_file(Path(resumed.path) / s.file) for s in info.shards]
+        for split, info in resumed.splits.items()
+    }
+    assert on_disk == shard_digests(manifest)
 
 
 def test_truncated_shard_is_refused_by_name(tokenized: tuple[DatasetManifest, Path], tmp_path: Path) -> None:
