@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from training.config import OptimConfig
@@ -27,7 +29,10 @@ def test_cosine_decays_monotonically_to_the_floor() -> None:
     assert lrs[10] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
     assert lr_at(STEPS, OptimConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10), STEPS) == pytest.approx(0.1)
-    assert lrs[55] == pytest.approx(0.1 + 0.45 * (1 + 0.0), abs=0.02)  # half-way: mean of peak and floor
+    assert lrs[55] == pytest.approx(
+        0.55, rel=1e-12
+    )  # step 55 is exactly half-way (45 of 90): mean of peak and floor
+    assert lrs[25] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 6)), rel=1e-12)  # a sixth of the way
 
 
 def test_wsd_is_stable_then_decays_linearly() -> None:

@@ -197,3 +197,12 @@ def test_vocab_too_small_for_the_byte_alphabet_is_refused() -> None:
     ):
         TokenizerConfig(vocab_size=200)
     assert TokenizerConfig(vocab_size=MIN_VOCAB).vocab_size == MIN_VOCAB
+
+
+def test_split_of_known_ids_is_pinned() -> None:
+    """The train/validation split of a document must never move between versions (it would leak validation
+    text into training): these ids' hash positions are 0.0602, 0.5407, 0.8509, 0.9893."""
+    assert split_of("e.parquet#2", 0.06) == "train" and split_of("e.parquet#2", 0.061) == "val"
+    assert split_of("x.txt", 0.5) == "train" and split_of("x.txt", 0.541) == "val"
+    assert split_of("os.py", 0.85) == "train" and split_of("os.py", 0.851) == "val"
+    assert split_of("stdlib:os.py", 0.95) == "train"
