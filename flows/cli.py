@@ -359,9 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lmforge: error: {error}", file=sys.stderr)
         return 2
     except Exception as error:
-        if (line := expected_failure(error)) is None:
-            raise  # a bug: keep the traceback
-        print(f"lmforge: error: {line}", file=sys.stderr)
+        if (line := expected_failure(error)) is None or os.environ.get("LMFORGE_DEBUG"):
+            raise  # a bug (or LMFORGE_DEBUG set): keep the traceback
+        print(f"lmforge: error: {line} (LMFORGE_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
     except KeyboardInterrupt as interrupt:
         print(f"lmforge: {interrupt or 'interrupted'}; rerun the same command to resume", file=sys.stderr)

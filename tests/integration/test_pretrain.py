@@ -149,11 +149,20 @@ def test_zero_stages_and_worker_counts_agree(golden_run: TrainedModel, tmp_path:
     """Same global batch (8): 1 worker x 2 micro-batches vs 2 workers x 1, ZeRO-0 vs ZeRO-2, fp32."""
     zero2 = losses(Path(pretrain_cli(tmp_path / "z2", "parallel.zero_stage=2").run_dir))
     two_workers = losses(Path(pretrain_cli(tmp_path / "w2", "parallel.zero_stage=2", workers=2).run_dir))
+    zero3_run = pretrain_cli(
+        tmp_path / "z3", "parallel.zero_stage=3"
+    )  # partitioned module: gathered on export
+    zero3 = losses(Path(zero3_run.run_dir))
     reference = losses(Path(golden_run.run_dir))
     for step in range(1, 21):
         # fp32 sums in a different order (per-rank means, then an all-reduce): equal to ~1e-6 relative.
         assert zero2[step] == pytest.approx(reference[step], rel=1e-5)
         assert two_workers[step] == pytest.approx(reference[step], rel=1e-5)
+        assert zero3[step] == pytest.approx(reference[step], rel=1e-5)
+    record = json.loads((Path(zero3_run.hf_export) / "export.json").read_text())
+    assert (
+        zero3_run.export_valid and record["engine_rel_diff"] <= 1e-5
+    )  # the gathered weights are the engine's
 
 
 @pytest.mark.parametrize("model", ["dense", "moe-ep2"])

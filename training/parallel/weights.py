@@ -33,7 +33,11 @@ def fp32_state_dict(checkpoint: Path, tie_embeddings: bool) -> dict[str, Tensor]
 
 
 def _plain_fp32(checkpoint: Path) -> bool:
-    """True for fp32 training without ZeRO: the module file already holds the fp32 weights."""
-    module = torch.load(checkpoint / DS_TAG / "mp_rank_00_model_states.pt", weights_only=False, mmap=True)
+    """True for fp32 training without ZeRO: the module file already holds the fp32 weights (ZeRO-3 writes no
+    such file: its module is partitioned)."""
+    path = checkpoint / DS_TAG / "mp_rank_00_model_states.pt"
+    if not path.is_file():
+        return False
+    module = torch.load(path, weights_only=False, mmap=True)
     dtypes = {v.dtype for v in module["module"].values()}
     return dtypes == {torch.float32} and not any((checkpoint / DS_TAG).glob("*zero_pp_rank*"))
