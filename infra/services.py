@@ -267,7 +267,7 @@ def _spawn(
     return running
 
 
-def _group(running: Running) -> list[psutil.Process]:
+def members(running: Running) -> list[psutil.Process]:
     """The live processes of `running`'s process group, if its leader is still the process we started (a
     recycled PID is left alone)."""
     try:
@@ -276,33 +276,33 @@ def _group(running: Running) -> list[psutil.Process]:
             return []
     except psutil.NoSuchProcess:
         pass  # the leader may exit before its group: the group id stays ours while members live
-    members = []
+    found = []
     for proc in psutil.process_iter():
         try:
             if os.getpgid(proc.pid) == running.pid:
-                members.append(proc)
+                found.append(proc)
         except (ProcessLookupError, psutil.Error):
             continue
-    return members
+    return found
 
 
 def stop(running: Running, timeout: float = 10.0) -> None:
     """SIGTERM the process group `running` started (its leader's PID), then SIGKILL what is left after
     `timeout` seconds. Nothing else on the host is touched."""
-    members = _group(running)
-    if not members:
+    alive = members(running)
+    if not alive:
         return
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for proc in members:
+        for proc in alive:
             with contextlib.suppress(psutil.Error):
                 proc.send_signal(sig)
-        _, members = psutil.wait_procs(members, timeout=timeout if sig == signal.SIGTERM else 5)
-        if not members:
+        _, alive = psutil.wait_procs(alive, timeout=timeout if sig == signal.SIGTERM else 5)
+        if not alive:
             return
 
 
 def is_running(running: Running) -> bool:
-    return bool(_group(running))
+    return bool(members(running))
 
 
 def save_state(state_dir: Path, services: list[Running]) -> None:

@@ -4,7 +4,6 @@ socket their processes listen on is loopback, each UI answers, and `lmforge down
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import urllib.error
 import urllib.request
@@ -12,21 +11,10 @@ import urllib.request
 import psutil
 import pytest
 
-from infra.services import Running, free_port, load_state
+from infra.services import free_port, load_state, members
 from tests.pretrain_helpers import clean_env, lmforge_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def _members(running: Running) -> list[psutil.Process]:
-    out = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == running.pid:
-                out.append(proc)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return out
 
 
 def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
@@ -68,7 +56,7 @@ def test_up_binds_loopback_and_down_stops_exactly_its_processes(tmp_path):
 
         listening = []
         for running in services.values():
-            for proc in _members(running):
+            for proc in members(running):
                 for conn in proc.net_connections(kind="inet"):
                     if conn.status == psutil.CONN_LISTEN:
                         listening.append((running.name, proc.name(), conn.laddr.ip, conn.laddr.port))
@@ -95,7 +83,7 @@ def test_up_binds_loopback_and_down_stops_exactly_its_processes(tmp_path):
             lmforge_command("down", "--state-dir", str(state)), capture_output=True, text=True, env=env
         )
     assert down.returncode == 0, down.stderr
-    assert not [p for r in services.values() for p in _members(r) if p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for r in services.values() for p in members(r) if p.status() != psutil.STATUS_ZOMBIE]
     assert load_state(state) == []
 
 
