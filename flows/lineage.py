@@ -9,8 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from data_pipeline.shards import DatasetManifest
+from evaluation.scaling_report import ScalingFit
 from flows.recipe import Recipe
+from infra.registry import RegisteredVersion
+from infra.storage import sha256_file
 from infra.tracking import TrackedRun, git_revision, open_run
+from training.stage import TrainedModel
 
 
 def flow_run_id() -> str:
@@ -101,3 +105,30 @@ def record_stage(
     tracker.flush()
     run.finish()
     return run.run_id
+
+
+def record_tokenize(recipe: Recipe, data: DatasetManifest) -> None:
+    train, val = data.splits["train"], data.splits["val"]
+    numbers = {"tokens/train": train.n_tokens, "tokens/val": val.n_tokens, "docs/train": train.n_docs}
+    tags = {"lmforge.data_digest": data.digest(), "lmforge.run_dir": data.path}
+    params = {"data": recipe.data.model_dump(mode="json")}
+    record_stage(recipe, "tokenize", data.key, numbers, params, (Path(data.path) / "manifest.json",), tags)
+
+
+def record_fit(recipe: Recipe, law: ScalingFit, fitted: Path, budget: float) -> None:
+    """The law, its optimum and the rung's prediction against its measurement; fit.json and the plots."""
+    numbers = {f"fit/{k}": v for k, v in law.law.items()} | {"fit/n_opt": law.optimal.n_opt}
+    rung = law.rung
+    if rung is not None and rung.measured_loss is not None:
+        numbers |= {"fit/rung_predicted_loss": rung.loss, "fit/rung_measured_loss": rung.measured_loss}
+        numbers |= {"fit/rung_rel_error": rung.rel_error, "fit/rung_held": float(rung.held)}
+    files = (fitted / "fit.json", *sorted(fitted.glob("*.png")))
+    digest = sha256_file(fitted / "fit.json")
+    record_stage(recipe, "fit", digest, numbers, {"budget": budget}, files, {"lmforge.run_dir": str(fitted)})
+
+
+def record_register(recipe: Recipe, version: RegisteredVersion, model: TrainedModel) -> None:
+    numbers = {f"gate/{k}": float(v) for k, v in version.gates.items()}
+    tags = {"lmforge.registered": f"{version.name}/{version.version}", "lmforge.alias": str(version.alias)}
+    params = {"gates_skipped": ",".join(version.skipped) or "none"}
+    record_stage(recipe, "register", model.key, numbers, params, tags=tags)

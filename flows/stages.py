@@ -163,9 +163,8 @@ def pipeline(
 ) -> dict[str, Any]:
     """Raw text to an evaluated, registered model; returns the summary (stage times, law, eval, registry).
     `on_data` sees the token shards as soon as they exist (the pipeline flow logs them as an MLflow input)."""
-    from flows.lineage import record_stage
+    from flows.lineage import record_fit, record_register, record_tokenize
     from flows.scaling import fit_dir, size_for_budget, target_budget
-    from infra.storage import sha256_file
 
     times: dict[str, float] = {}
     summary: dict[str, Any] = {}
@@ -178,19 +177,7 @@ def pipeline(
         recipe,
         {"tokens (train)": train_split.n_tokens, "tokens (val)": val_split.n_tokens, "directory": data.path},
     )
-    record_stage(
-        recipe,
-        "tokenize",
-        data.key,
-        {
-            "tokens/train": train_split.n_tokens,
-            "tokens/val": val_split.n_tokens,
-            "docs/train": train_split.n_docs,
-        },
-        {"data": recipe.data.model_dump(mode="json")},
-        (Path(data.path) / "manifest.json",),
-        {"lmforge.data_digest": data.digest(), "lmforge.run_dir": data.path},
-    )
+    record_tokenize(recipe, data)
     final, law = recipe, None
     if options.size == "fit":
         result = timed(times, "sweep", run, sweep, recipe, data, progress=run.trials("sweep"))
@@ -223,24 +210,7 @@ def pipeline(
         outputs["scaling fit"] = str(fit_dir(result, budget) / "fit.json")
         outputs["scaling plots"] = str(fit_dir(result, budget) / "*.png")
         run.publish("fit", recipe, {**summary["rung"], "chosen size": note}, result.mlflow_run_id)
-        fitted = fit_dir(result, budget)
-        numbers = {f"fit/{k}": v for k, v in law.law.items()} | {"fit/n_opt": law.optimal.n_opt}
-        if law.rung is not None and law.rung.measured_loss is not None:
-            numbers |= {
-                "fit/rung_predicted_loss": law.rung.loss,
-                "fit/rung_measured_loss": law.rung.measured_loss,
-            }
-            numbers |= {"fit/rung_rel_error": law.rung.rel_error, "fit/rung_held": float(law.rung.held)}
-        files = (fitted / "fit.json", *sorted(fitted.glob("*.png")))
-        record_stage(
-            recipe,
-            "fit",
-            sha256_file(fitted / "fit.json"),
-            numbers,
-            {"budget": budget},
-            files,
-            {"lmforge.run_dir": str(fitted)},
-        )
+        record_fit(recipe, law, fit_dir(result, budget), budget)
     models, heldout = [base], None
     if options.finetune:
         examples = timed(times, "sft_data", run, sft_data, final, base)
@@ -263,17 +233,7 @@ def pipeline(
         summary["registered"] = version.model_dump()
         numbers = {"model": version.name, "version": version.version, "alias": version.alias, **version.gates}
         run.publish("register", recipe, numbers)
-        record_stage(
-            recipe,
-            "register",
-            models[-1].key,
-            {f"gate/{k}": float(v) for k, v in version.gates.items()},
-            {"gates_skipped": ",".join(version.skipped) or "none"},
-            tags={
-                "lmforge.registered": f"{version.name}/{version.version}",
-                "lmforge.alias": str(version.alias),
-            },
-        )
+        record_register(recipe, version, models[-1])
     summary |= {"stage_seconds": times, "outputs": outputs}
     return summary
 
