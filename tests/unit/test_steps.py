@@ -78,3 +78,32 @@ def test_loading_a_missing_or_unfinished_run_says_which(tmp_path: Path) -> None:
     (tmp_path / "half" / "manifest.json").write_text('{"path": "x"}')
     with pytest.raises(UserError, match=r"manifest.json: not a Note manifest"):
         Note.load(tmp_path / "half")
+
+
+@pytest.mark.parametrize(
+    ("change", "rekeys"),
+    [
+        ("train.max_steps=30", {"pretrain"}),  # SFT follows through the base's digest, not its own key
+        ("optim.lr=1e-3", {"pretrain"}),
+        ("model.n_layers=3", {"pretrain"}),  # SFT gets the model from its base (by digest)
+        ("finetune.optim.lr=1e-3", {"sft"}),
+        ("finetune.lora.r=8", {"sft"}),
+        ("eval.max_documents=7", set()),  # evaluation and other sections never re-key training
+        ("parallel.threads_per_worker=1", set()),  # nor settings that cannot change the weights
+        ("parallel.max_failures=3", set()),
+        ("tracking.experiment=other", set()),
+        ("sweep.min_steps=50", set()),
+    ],
+)
+def test_a_changed_setting_rekeys_exactly_the_stages_it_determines(change: str, rekeys: set[str]) -> None:
+    from flows.recipe import load_recipe
+    from infra.storage import digest_of
+
+    def keys(recipe) -> dict[str, str]:
+        return {
+            "pretrain": digest_of(recipe.pretrain_spec().key()),
+            "sft": digest_of(recipe.sft_spec().key()),
+        }
+
+    before, after = keys(load_recipe("smoke")), keys(load_recipe("smoke", [change]))
+    assert {stage for stage in before if before[stage] != after[stage]} == rekeys
