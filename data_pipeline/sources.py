@@ -120,8 +120,11 @@ def stdlib_files() -> list[Path]:
 
 
 def _open_bytes(path: Path) -> bytes:
+    data = path.read_bytes()  # a read error is the OS's (permissions, a vanished file), not a gzip problem
+    if path.suffix != ".gz":
+        return data
     try:
-        return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        return gzip.decompress(data)
     except (OSError, EOFError, zlib.error) as error:
         raise DataError(f"{path}: not a readable gzip file ({error}); re-compress it or remove it") from None
 
