@@ -13,7 +13,7 @@ from evaluation.scaling_report import ScalingFit
 from flows.recipe import Recipe
 from infra.registry import RegisteredVersion
 from infra.storage import sha256_file
-from infra.tracking import TrackedRun, git_revision, open_run
+from infra.tracking import TrackedRun, open_run
 from training.stage import TrainedModel
 
 
@@ -38,7 +38,6 @@ def start_parent(recipe: Recipe, params: Any) -> TrackedRun:
     tags = {
         "lmforge.stage": "pipeline",
         "lmforge.config_digest": recipe.digest(),
-        "lmforge.git": git_revision(),
         "prefect.flow_run_id": flow_run_id(),
     }
     run = open_run(recipe.tracking, recipe.output_dir, f"pipeline-{recipe.name}", tags)

@@ -68,9 +68,8 @@ def check_bind(service: str, host: str, env: dict[str, str] | None = None) -> No
         return
     configured = all(env.get(name) for name in AUTH_ENV[service])
     if service == "ray":
-        configured = (
-            env.get("RAY_AUTH_MODE", "token").lower() == "token"
-        )  # `up` turns it on unless told not to
+        # `up` turns token auth on unless RAY_AUTH_MODE says otherwise
+        configured = env.get("RAY_AUTH_MODE", "token").lower() == "token"
     if service == "mlflow" and configured:
         password = env.get("MLFLOW_AUTH_ADMIN_PASSWORD", "password1234")
         configured = password != "password1234"

@@ -25,7 +25,7 @@ from torch import nn
 from data_pipeline.loader import SampledLoader
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json
-from infra.tracking import TrackedRun, Tracker, git_revision, tracked_run
+from infra.tracking import TrackedRun, Tracker, tracked_run
 from training import checkpoint as ckpt
 from training.accounting import flops_per_token
 from training.config import TrainConfig, TrainingSpec
@@ -187,7 +187,6 @@ def _train(
     tags = {
         "lmforge.stage": stage.name,
         "lmforge.config_digest": key,
-        "lmforge.git": git_revision(),
         "lmforge.run_dir": str(run_dir.resolve()),
         **stage.tags(spec, inputs),
     }
