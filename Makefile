@@ -14,12 +14,13 @@ export PYTHONUNBUFFERED := 1
 
 install: $(STAMP)
 
-# torch goes in first (the CPU build from local disk here) so resolving the project never pulls a CUDA build.
-$(STAMP): pyproject.toml
+# torch goes in first (the CPU build from local disk here) so resolving the project never pulls a CUDA build;
+# constraints.txt holds the versions the tests (and the golden loss curve) were made with.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 demo: install

@@ -48,7 +48,14 @@ def golden_run(smoke_base) -> TrainedModel:
 
 
 def test_golden_loss_curve(golden_run: TrainedModel) -> None:
+    import deepspeed
+
     golden = json.loads(GOLDEN.read_text())
+    installed = {"torch": torch.__version__.split("+")[0], "deepspeed": deepspeed.__version__}
+    assert installed == golden["versions"], (
+        f"the golden curve was made with {golden['versions']}, this install has {installed}: "
+        "install with `make install` (constraints.txt) or regenerate it (tests/assets/golden/README.md)"
+    )
     got = losses(Path(golden_run.run_dir))
     assert sorted(got) == list(range(1, 21))
     # Bit-exact on one machine (rerun twice: identical); 1e-4 leaves room for other CPUs' kernels (AVX2 vs
