@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +48,36 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         lmforge_command(*args), capture_output=True, text=True, timeout=timeout, env=clean_env()
     )
+
+
+def kill_after_checkpoint(args: list[str], stage_dir: Path, step: int, log: Path) -> Path:
+    """Run `lmforge *args`, SIGKILL its whole process group (driver, Ray, workers) as soon as the checkpoint
+    of `step` is complete under `stage_dir`, and return the killed run's directory."""
+    with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the run
+        process = subprocess.Popen(
+            lmforge_command(*args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=clean_env(),
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 300
+        while not list(stage_dir.glob(f"*/checkpoints/step-{step:08d}/COMPLETE")):
+            assert process.poll() is None, (
+                f"the run ended before it could be killed: {log.read_text()[-3000:]}"
+            )
+            assert time.monotonic() < deadline, f"no checkpoint {step} in 300 s: {log.read_text()[-3000:]}"
+            time.sleep(0.01)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return next(stage_dir.iterdir())
+
+
+def logged_once(run_dir: Path, upto: int) -> bool:
+    """True when steps 1..`upto` were each logged exactly once, in order: a resume, not a restart."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r["step"] for r in records if "train/loss" in r and r["step"] <= upto]
+    return trained == list(range(1, upto + 1))
 
 
 def with_sets(overrides: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -233,7 +234,7 @@ def test_browser_shows_the_run_in_both_uis(served_run, tmp_path):
     url = f"{prefect.url}/deployments/deployment/{asyncio.run(deployment_id())}"
     assert "pipeline" in _browse(browser, url, "lmforge", tmp_path / "prefect-deployment.png")
     url = f"{prefect.url}/runs/flow-run/{flow_run.id}"
-    assert flow_run.name in _browse(browser, url, flow_run.name, tmp_path / "prefect.png")
+    assert "Completed" in _browse(browser, url, flow_run.name, tmp_path / "prefect.png")  # the run's state
     client = mlflow.MlflowClient(ml.url)
     experiment = client.get_experiment_by_name("lmforge")
     parent = next(
@@ -242,7 +243,8 @@ def test_browser_shows_the_run_in_both_uis(served_run, tmp_path):
         if r.data.tags.get("lmforge.stage") == "pipeline"
     )
     url = f"{ml.url}/#/experiments/{experiment.experiment_id}/runs/{parent.info.run_id}"
-    assert "pipeline-smoke" in _browse(browser, url, "pipeline-smoke", tmp_path / "mlflow.png")
+    html = _browse(browser, url, "pipeline-smoke", tmp_path / "mlflow.png")
+    assert "pipeline/orchestration_overhead" in html and "Finished" in html  # its metrics, its status
     shots = ("prefect-deployment.png", "prefect.png", "mlflow.png")
     for shot in shots:
         assert (tmp_path / shot).stat().st_size > 10_000
@@ -284,9 +286,18 @@ def test_killed_pipeline_resumes_and_matches_an_uninterrupted_run(services, tmp_
     rerun = subprocess.run(command(killed), env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert tokens.stat().st_mtime_ns == stamp  # tokenization was skipped
+    # the uninterrupted run is what `make demo` does: no Prefect server anywhere, so `lmforge pipeline` starts a
+    # temporary one whose database stays in the output directory with the finished flow run in it
     straight = tmp_path / "straight"
-    once = subprocess.run(command(straight), env=env, capture_output=True, text=True, timeout=900)
+    alone = {k: v for k, v in env.items() if not k.startswith("PREFECT_")}
+    once = subprocess.run(command(straight), env=alone, capture_output=True, text=True, timeout=900)
     assert once.returncode == 0, once.stderr[-3000:]
+    with sqlite3.connect(straight / "services" / "prefect" / "prefect.db") as db:
+        flows = db.execute(
+            "SELECT flow.name, flow_run.state_type FROM flow_run JOIN flow ON flow.id = flow_run.flow_id"
+        ).fetchall()
+    assert flows == [("pipeline", "COMPLETED")], flows
+    assert f"PREFECT_HOME={(straight / 'services' / 'prefect').resolve()}" in once.stdout
     for stage in ("pretrain", "sft"):
         (a,) = killed.glob(f"{stage}/*/hf/model.safetensors")
         (b,) = straight.glob(f"{stage}/*/hf/model.safetensors")

@@ -132,6 +132,43 @@ def test_activation_checkpointing_changes_nothing_but_memory(
     assert losses_of(tmp_path / "ckpt") == pytest.approx(losses_of(tmp_path / "plain"), rel=1e-6)
 
 
+class FixedBatch:
+    """The same 8 random sequences of 64 tokens at every draw."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.ids = torch.randint(0, vocab_size, (8, 65), generator=torch.Generator().manual_seed(1))
+
+    def next_batch(self):  # noqa: ANN201
+        from data_pipeline.loader import Batch
+
+        return Batch(self.ids[:, :-1], self.ids[:, 1:])
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_gradient_clipping_scales_the_gradient_to_the_limit(zero_stage: int) -> None:
+    """AdamW's first moment after one step is (1 - β1) × the gradient it was given: its global norm is the
+    clipped norm (0.05 here, far below the raw one), and without clipping it is the reported raw norm.
+    DeepSpeed clips in different places for ZeRO-0 (the engine) and ZeRO ≥ 1 (the partitioned optimiser)."""
+    from training.loop import optimizer_step
+    from training.objective import TokenCrossEntropy
+
+    recipe = load_recipe("smoke")
+    given = {}
+    for clip in (0.0, 0.05):
+        torch.manual_seed(0)
+        engine, r = engine_for(
+            Transformer(recipe.model), f"optim.grad_clip={clip}", f"parallel.zero_stage={zero_stage}"
+        )
+        outcome = optimizer_step(engine, FixedBatch(recipe.model.vocab_size), TokenCrossEntropy(), 1e-3, 1)
+        inner = getattr(engine.ds.optimizer, "optimizer", None) or engine.ds.optimizer
+        moment = sum(state["exp_avg"].double().square().sum() for state in inner.state.values()) ** 0.5
+        given[clip] = (outcome.grad_norm, float(moment) / (1 - r.optim.betas[0]))
+    (raw, unclipped), (raw_again, clipped) = given[0.0], given[0.05]
+    assert raw == pytest.approx(raw_again, rel=1e-6) and raw > 0.5  # reported before clipping
+    assert unclipped == pytest.approx(raw, rel=1e-4)
+    assert clipped == pytest.approx(0.05, rel=1e-4)
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_muon_step_is_orthogonalised_at_its_learning_rate(
     tokenized: tuple[DatasetManifest, Path], tmp_path: Path, zero_stage: int
@@ -139,7 +176,6 @@ def test_muon_step_is_orthogonalised_at_its_learning_rate(
     """Newton–Schulz's signature on a hidden matrix's first update: singular values near-equal (the raw gradient's
     spread 6x wider, AdamW's 5x) and the largest ≈ lr (Muon's fixed scale; clipping the update broke it under ZeRO).
     Then the run learns."""
-    from data_pipeline.loader import Batch
     from training.loop import optimizer_step
     from training.objective import TokenCrossEntropy
 
@@ -159,13 +195,7 @@ def test_muon_step_is_orthogonalised_at_its_learning_rate(
     assert type(inner).__name__ == "MuonWithAuxAdam"
     weight = dict(engine.module.named_parameters())[name]
     before = weight.detach().clone()
-    ids = torch.randint(0, recipe.model.vocab_size, (8, 65), generator=torch.Generator().manual_seed(1))
-
-    class OneBatch:
-        def next_batch(self) -> Batch:
-            return Batch(ids[:, :-1], ids[:, 1:])
-
-    optimizer_step(engine, OneBatch(), TokenCrossEntropy(), lr, 1)
+    optimizer_step(engine, FixedBatch(recipe.model.vocab_size), TokenCrossEntropy(), lr, 1)
     singular = torch.linalg.svdvals((weight.detach() - before).float())
     rows, cols = weight.shape
     assert singular.min() / singular.max() > 0.45  # measured 0.60; the gradient's own ratio is 0.16

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,22 +18,26 @@ from evaluation.lm_eval_adapter import run_lm_eval
 from evaluation.model_io import load_for_eval
 from evaluation.report import EvalReport, run_eval
 from evaluation.scoring import generate_text
-from evaluation.tasks import load_task, run_task
+from evaluation.tasks import load_task, run_task, stdlib_import_task
 from infra.registry import register
 from infra.tracking import tracking_uri
-from tests.pretrain_helpers import clean_env
+from tests.pretrain_helpers import SMOKE_SETTINGS, clean_env, cli, smoke_overrides, with_sets
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def trained(smoke_base, smoke_lora):
-    """The session's smoke model and its LoRA fine-tune, evaluated side by side."""
+    """The session's smoke model and its LoRA fine-tune, evaluated side by side by `lmforge eval`."""
     recipe, base = smoke_base
     examples, lora = smoke_lora
     heldout = Path(examples.path) / "heldout.jsonl"
-    report = run_eval(recipe.eval_spec(), [base, lora], sft_heldout=heldout)
-    return recipe, base, lora, heldout, report
+    sets = with_sets(smoke_overrides(Path(recipe.output_dir), *SMOKE_SETTINGS))
+    result = cli("eval", "smoke", base.run_dir, lora.run_dir, "--sft-heldout", str(heldout), *sets)
+    assert result.returncode == 0, result.stderr[-3000:]
+    path = re.search(r"^report +(\S+)/report.md", result.stdout, re.M).group(1)
+    assert "| metric | pretrain | lora |" in result.stdout
+    return recipe, base, lora, heldout, EvalReport.load(path)
 
 
 def test_report_compares_models_side_by_side(trained):
@@ -54,7 +59,6 @@ def test_report_compares_models_side_by_side(trained):
     # fine-tuning on the SFT set lowers its held-out response loss
     rl = report.metrics["sft-heldout-em/response_loss"]
     assert rl["lora"] < rl["pretrain"]
-    assert 0 <= report.metrics["stdlib-import-mc/acc"]["lora"] <= 1
     assert report.metrics["lora/mean_effective_rank"]["lora"] <= recipe.finetune.lora.r
     assert report.metrics["eval/tokens_per_s"]["pretrain"] > 0
     assert set(report.samples) == {"pretrain", "lora"} and len(report.samples["lora"]) == len(
@@ -83,6 +87,19 @@ def test_eval_run_is_in_mlflow(trained):
     }
 
 
+def mc_task_yaml(path: Path, name: str, data: Path) -> None:
+    """An lm-eval multiple-choice task over a JSONL file of {prompt, choices, answer}."""
+    path.write_text(
+        f"task: {name}\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{answer}}"\ndoc_to_choice: "{{choices}}"\n'
+        'target_delimiter: ""\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
+
+
 def test_lm_eval_harness_runs_a_local_task_and_agrees_with_ours(trained, tmp_path):
     _, _, lora, _, _ = trained
     items = [
@@ -93,15 +110,17 @@ def test_lm_eval_harness_runs_a_local_task_and_agrees_with_ours(trained, tmp_pat
     ]
     data = tmp_path / "items.jsonl"
     data.write_text("\n".join(json.dumps({**it, "answer": it["answer"] % 3}) for it in items))
-    (tmp_path / "stdlib_mc.yaml").write_text(
-        "task: lmforge_stdlib_mc\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\noutput_type: multiple_choice\n"
-        'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{answer}}"\ndoc_to_choice: "{{choices}}"\n'
-        'target_delimiter: ""\n'
-        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    mc_task_yaml(tmp_path / "stdlib_mc.yaml", "lmforge_stdlib_mc", data)
+    recipe = trained[0]  # the report's built-in multiple-choice items, as an lm-eval task too
+    report_items = stdlib_import_task(recipe.eval.builtin_questions, seed=recipe.eval.seed).items
+    report_data = tmp_path / "report_items.jsonl"
+    report_data.write_text(
+        "\n".join(
+            json.dumps({"prompt": i.prompt, "choices": list(i.choices), "answer": i.answer})
+            for i in report_items
+        )
     )
+    mc_task_yaml(tmp_path / "report_mc.yaml", "lmforge_report_mc", report_data)
     em = load_for_eval(lora, "lora")
     harness = run_lm_eval(em, ["lmforge_stdlib_mc"], str(tmp_path), None, 8)["lmforge_stdlib_mc"]
     ours = run_task(em, load_task(data), batch_size=8, max_new_tokens=4)
@@ -130,7 +149,7 @@ def test_lm_eval_harness_runs_a_local_task_and_agrees_with_ours(trained, tmp_pat
     hf = simple_evaluate(
         model="hf",
         model_args=f"pretrained={export},dtype=float32,device=cpu",
-        tasks=["lmforge_stdlib_mc"],
+        tasks=["lmforge_stdlib_mc", "lmforge_report_mc"],
         task_manager=TaskManager(include_path=str(tmp_path)),
         batch_size=8,
         log_samples=True,
@@ -145,6 +164,11 @@ def test_lm_eval_harness_runs_a_local_task_and_agrees_with_ours(trained, tmp_pat
     ours_base = run_task(base, load_task(data), batch_size=8, max_new_tokens=4)
     assert hf["results"]["lmforge_stdlib_mc"]["acc,none"] == pytest.approx(ours_base["acc"])
     assert hf["results"]["lmforge_stdlib_mc"]["acc_norm,none"] == pytest.approx(ours_base["acc_norm"])
+    # and the report's own built-in task, scored by lm-eval's `hf` model: the report's numbers exactly
+    report, n = trained[4], len(report_items)
+    for metric in ("acc", "acc_norm"):
+        theirs = hf["results"]["lmforge_report_mc"][f"{metric},none"]
+        assert report.metrics[f"stdlib-import-mc/{metric}"]["pretrain"] == pytest.approx(theirs, abs=0.1 / n)
 
 
 def test_pyfunc_model_generates_and_registry_gates(trained):

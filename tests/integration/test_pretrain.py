@@ -4,9 +4,6 @@ ZeRO stages and worker counts, golden losses, exact resume after SIGKILL, the no
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +14,9 @@ from flows.recipe import load_recipe
 from tests.pretrain_helpers import (
     GOLDEN,
     MOE,
-    clean_env,
     cli,
-    lmforge_command,
+    kill_after_checkpoint,
+    logged_once,
     losses,
     smoke_overrides,
     with_sets,
@@ -172,74 +169,56 @@ def test_zero_stages_and_worker_counts_agree(golden_run: TrainedModel, tmp_path:
     )  # the gathered weights are the engine's
 
 
-@pytest.mark.parametrize("model", ["dense", "moe-ep2"])
-def test_two_ray_workers_bf16_zero2_learn(model: str, tmp_path: Path) -> None:
-    extra = [
-        "train.max_steps=16",
-        "train.checkpoint_every=16",
-        "parallel.zero_stage=2",
-        "parallel.precision=bf16",
-    ]
-    if model == "moe-ep2":
-        extra += [MOE, "parallel.ep_size=2"]
-    ref = pretrain_cli(tmp_path, *extra, workers=2)
-    curve = losses(Path(ref.run_dir))
-    assert sorted(curve) == list(range(1, 17))
-    assert sum(curve[s] for s in (14, 15, 16)) < sum(curve[s] for s in (1, 2, 3)) - 0.6
-    assert ref.export_valid, "the bf16 checkpoint must still export to a verified Hugging Face model"
-    if model == "moe-ep2":
-        record = json.loads((Path(ref.run_dir) / "metrics.jsonl").read_text().splitlines()[-2])
-        assert "moe/layer0/load_cv" in record and "moe/layer1/aux_loss" in record
+# Each case: overrides and workers. The 2-worker cases are bf16 under ZeRO-2 (dense) and with experts split over
+# the two ranks (EP=2); ZeRO-3 partitions the weights themselves.
+RESUME_CASES = {
+    "dense": ([], None),
+    "moe": ([MOE], None),
+    "zero3": (["parallel.zero_stage=3"], None),
+    "bf16-zero2-2workers": (["parallel.zero_stage=2", "parallel.precision=bf16"], 2),
+    "moe-ep2-bf16-2workers": (
+        [MOE, "parallel.ep_size=2", "parallel.zero_stage=2", "parallel.precision=bf16"],
+        2,
+    ),
+}
+RESUME_STEPS = ["train.max_steps=24", "train.checkpoint_every=8", "train.eval_every=8"]
 
 
-@pytest.mark.parametrize("model", ["dense", "moe"])
-def test_exact_resume_after_sigkill(model: str, tmp_path: Path) -> None:
-    extra = [
-        "train.max_steps=160",
-        "train.checkpoint_every=40",
-        "train.eval_every=40",
-        *([MOE] if model == "moe" else []),
-    ]
-    straight = pretrain_cli(tmp_path / "straight", *extra)
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_exact_resume_after_sigkill(case: str, tmp_path: Path) -> None:
+    """SIGKILL of the whole launch (driver, Ray, workers) right after a checkpoint, then the same command: the
+    run continues from that checkpoint into the same MLflow run and matches an uninterrupted run bit for bit."""
+    settings, workers = RESUME_CASES[case]
+    extra = [*RESUME_STEPS, *settings]
+    straight = pretrain_cli(tmp_path / "straight", *extra, workers=workers)
+    curve = losses(Path(straight.run_dir))
+    assert sorted(curve) == list(range(1, 25))
+    assert sum(curve[s] for s in (22, 23, 24)) < sum(curve[s] for s in (1, 2, 3)) - 0.6  # it learns
+    assert straight.export_valid, "the checkpoint must export to a verified Hugging Face model"
 
     out = tmp_path / "killed"
-    args = lmforge_command("pretrain", "smoke", *with_sets(smoke_overrides(out, *extra)))
-    log = (tmp_path / "killed.log").open("w")  # a file, not a pipe: a full pipe would stall the run
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=clean_env())
-    deadline = time.time() + 300
-    while time.time() < deadline and not list(
-        (out / "pretrain").glob("*/checkpoints/step-00000040/COMPLETE")
-    ):
-        assert process.poll() is None, (
-            f"the run ended before it could be killed: {(tmp_path / 'killed.log').read_text()[-3000:]}"
-        )
-        time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    log.close()
-    run_dir = next((out / "pretrain").iterdir())
+    args = ["pretrain", "smoke", *with_sets(smoke_overrides(out, *extra))]
+    args += ["--workers", str(workers)] if workers else []
+    run_dir = kill_after_checkpoint(args, out / "pretrain", 8, tmp_path / "killed.log")
     done = [s for s, _ in ckpt.complete_checkpoints(run_dir / "checkpoints")]
-    assert done and done[-1] < 160, f"killed too late: {done}"
+    assert done and done[-1] < 24, f"killed too late: {done}"
     first_run_id = ckpt.read_meta(ckpt.latest_checkpoint(run_dir / "checkpoints"))["mlflow_run_id"]
     # what a kill in the middle of a save leaves: a staging directory and a renamed one without its marker
     ckpt.prepare_staging(run_dir / "checkpoints", 200)
     (run_dir / "checkpoints" / "step-00000199").mkdir()
 
-    resumed = pretrain_cli(out, *extra)
+    resumed = pretrain_cli(out, *extra, workers=workers)
     assert resumed.mlflow_run_id == first_run_id is not None  # the same MLflow run continues
-    assert losses(Path(resumed.run_dir)) == losses(Path(straight.run_dir))  # every step, bit for bit
-    # a resume, not a restart: steps up to the checkpoint were logged once (by the killed run), later ones again
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    logged = [r["step"] for r in records if "train/loss" in r]
-    trained = [step for step in logged if step <= done[-1]]
-    assert sorted(set(trained)) == trained == sorted(trained), (
-        "steps before the checkpoint were trained twice"
-    )
+    assert losses(Path(resumed.run_dir)) == curve  # every step, bit for bit
+    assert logged_once(run_dir, done[-1]), "steps before the checkpoint were trained twice: a restart"
     from training.parallel import fp32_state_dict
 
     a = fp32_state_dict(Path(straight.checkpoint), False)
     b = fp32_state_dict(Path(resumed.checkpoint), False)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if "moe" in case:
+        record = json.loads((Path(resumed.run_dir) / "metrics.jsonl").read_text().splitlines()[-2])
+        assert "moe/layer0/load_cv" in record and "moe/layer1/aux_loss" in record
 
 
 def test_damaged_final_checkpoint_is_reported_and_repaired(tmp_path: Path, caplog) -> None:
