@@ -15,12 +15,14 @@ export PYTHONUNBUFFERED := 1
 install: $(STAMP)
 
 # torch goes in first (the CPU build from local disk here) so resolving the project never pulls a CUDA build;
-# constraints.txt holds the versions the tests (and the golden loss curve) were made with.
+# constraints.txt holds the versions the tests (and the golden loss curve) were made with. uv resolves and installs
+# the ~230 packages in seconds (pip took ~4 minutes here); pip, which reads pip.conf mirrors, is the fallback.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip uv
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(VENV)/bin/uv pip install -q --python $(PY) -c constraints.txt -e ".[dev]" \
+	  || $(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 demo: install

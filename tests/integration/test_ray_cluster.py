@@ -19,7 +19,7 @@ import pytest
 
 from infra import ray_jobs
 from infra.services import Running, free_port, start_mlflow, stop
-from tests.pretrain_helpers import clean_env, losses, smoke_overrides
+from tests.pretrain_helpers import clean_env, cli, losses, smoke_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RAY = str(Path(os.sys.executable).with_name("ray"))
@@ -198,12 +198,24 @@ def test_jobs_api_refuses_requests_without_the_token(cluster):
     assert refused.value.code in (401, 403)
 
 
-def test_jobs_api_lists_and_stops(cluster, tmp_path):
+def test_submit_and_jobs_commands(cluster, tmp_path):
+    """`lmforge submit` runs a stage on the cluster and follows its log to the end; `lmforge jobs` lists,
+    shows and stops jobs."""
     address, *_ = cluster
-    job = ray_jobs.submit(address, ["model", "summary", "smoke"])
-    assert _wait(address, job, 300) == "SUCCEEDED"
-    assert "params/embedding" in ray_jobs.client(address).get_job_logs(job)
-    assert job in {j["id"] for j in ray_jobs.list_jobs(address)}
+    sets = [x for s in smoke_overrides(tmp_path, "data.sft.max_examples=50") for x in ("--set", s)]
+    submitted = cli("submit", "tokenize", "smoke", "--address", address, "--submission-id", "tok-1", *sets)
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    assert (
+        "job tok-1: SUCCEEDED" in submitted.stdout and "dataset   " in submitted.stdout
+    )  # the stage's own output
+    assert list(tmp_path.glob("tokenize/*/manifest.json"))  # the job wrote the dataset (same file system)
+    listed = cli("jobs", "list", "--address", address)
+    assert listed.returncode == 0 and "tok-1" in {j["id"] for j in json.loads(listed.stdout)}
+    logs = cli("jobs", "logs", "tok-1", "--address", address)
+    assert logs.returncode == 0 and logs.stdout == ray_jobs.client(address).get_job_logs("tok-1")
     sleeper = ray_jobs.client(address).submit_job(entrypoint="sleep 600")
-    assert ray_jobs.stop(address, sleeper)
+    stopped = cli("jobs", "stop", sleeper, "--address", address)
+    assert stopped.returncode == 0 and f"stop {sleeper}: True" in stopped.stdout
     assert _wait(address, sleeper, 120) == "STOPPED"
+    refused = cli("submit", "tokenize", "smoke", "--address", address, "--set", "train.max_stepz=3")
+    assert refused.returncode == 2 and "did you mean" in refused.stderr  # refused here, not on the cluster
