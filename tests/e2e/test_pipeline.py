@@ -21,9 +21,13 @@ from flows.recipe import load_recipe
 from infra.services import free_port, start_mlflow, start_prefect, stop
 from infra.storage import sha256_file
 from tests.pretrain_helpers import clean_env, lmforge_command, smoke_overrides, with_sets
+from training.sweep import plan_trials
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 EVAL = ["eval.max_documents=20", "eval.builtin_questions=20", "data.sft.max_examples=300"]
+# the served pipeline sweeps as the demo does: one WSD run per size with decay branches at the smaller budgets
+# (3 trials for the smoke recipe's 7 points)
+MULTI_HORIZON = ["sweep.multi_horizon=true", "optim.schedule=wsd"]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +78,9 @@ def served_run(services, tmp_path_factory):
                         time.sleep(1)
             flow_run = run_deployment(
                 "pipeline/lmforge",
-                parameters={"params": {"recipe": "smoke", "overrides": smoke_overrides(out, *EVAL)}},
+                parameters={
+                    "params": {"recipe": "smoke", "overrides": smoke_overrides(out, *EVAL, *MULTI_HORIZON)}
+                },
                 timeout=1200,
             )
             yield flow_run, out, ml, prefect
@@ -90,7 +96,7 @@ def test_pipeline_run_through_the_prefect_api_completes(served_run):
 
 
 def test_mlflow_holds_the_lineage(served_run):
-    flow_run, _, ml, _ = served_run
+    flow_run, out, ml, _ = served_run
     client = mlflow.MlflowClient(ml.url)
     experiment = client.get_experiment_by_name("lmforge")
     runs = client.search_runs([experiment.experiment_id], max_results=200)
@@ -113,7 +119,9 @@ def test_mlflow_holds_the_lineage(served_run):
     assert {a.path for a in client.list_artifacts(children["fit"].info.run_id, "fit")} >= {"fit/fit.json"}
     sweep = children["sweep"]
     trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == sweep.info.run_id]
-    assert len(trials) == 7 and all(r.data.tags["prefect.flow_run_id"] == str(flow_run.id) for r in trials)
+    plans, _ = plan_trials(load_recipe("smoke", smoke_overrides(out, *EVAL, *MULTI_HORIZON)).sweep_spec())
+    assert len(plans) == 3 and len(trials) == len(plans)
+    assert all(r.data.tags["prefect.flow_run_id"] == str(flow_run.id) for r in trials)
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {
         "recipe.json",
         "data",
