@@ -53,7 +53,9 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 
 def atomic_write_json(path: str | Path, value: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+    """Keys stay in their order (an evaluation's models are compared in the order given; sorting them made a
+    loaded report put "lora" before "pretrain", and a cached `eval --register` take the wrong base)."""
+    atomic_write_bytes(path, (json.dumps(value, indent=2) + "\n").encode())
 
 
 def remove_partial_files(directory: Path) -> list[Path]:
