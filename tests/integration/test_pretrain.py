@@ -149,59 +149,52 @@ def test_rerun_of_a_finished_run_returns_it(golden_run: TrainedModel) -> None:
     assert manifest.stat().st_mtime_ns == stamp
 
 
-def test_zero_stages_and_worker_counts_agree(golden_run: TrainedModel, tmp_path: Path) -> None:
-    """Same global batch (8): 1 worker x 2 micro-batches vs 2 workers x 1, ZeRO-0 vs ZeRO-2, fp32."""
-    zero2 = losses(Path(pretrain_cli(tmp_path / "z2", "parallel.zero_stage=2").run_dir))
-    two_workers = losses(Path(pretrain_cli(tmp_path / "w2", "parallel.zero_stage=2", workers=2).run_dir))
-    zero3_run = pretrain_cli(
-        tmp_path / "z3", "parallel.zero_stage=3"
-    )  # partitioned module: gathered on export
-    zero3 = losses(Path(zero3_run.run_dir))
-    reference = losses(Path(golden_run.run_dir))
-    for step in range(1, 21):
-        # fp32 sums in a different order (per-rank means, then an all-reduce): equal to ~1e-6 relative.
-        assert zero2[step] == pytest.approx(reference[step], rel=1e-5)
-        assert two_workers[step] == pytest.approx(reference[step], rel=1e-5)
-        assert zero3[step] == pytest.approx(reference[step], rel=1e-5)
-    record = json.loads((Path(zero3_run.hf_export) / "export.json").read_text())
-    assert (
-        zero3_run.export_valid and record["engine_rel_diff"] <= 1e-5
-    )  # the gathered weights are the engine's
-
-
-# Each case: overrides and workers. The 2-worker cases are bf16 under ZeRO-2 (dense) and with experts split over
-# the two ranks (EP=2); ZeRO-3 partitions the weights themselves.
+# Each case: overrides, workers, and whether it must reproduce the golden fp32 ZeRO-0 curve. Same global batch
+# (8): 1 worker x 2 micro-batches or 2 workers x 1. ZeRO-2 partitions optimiser state and gradients, ZeRO-3 also
+# the weights (gathered on export); the bf16 case splits the experts over the two ranks (EP=2). ZeRO-0 resume is
+# the e2e kill-and-rerun's.
 RESUME_CASES = {
-    "dense": ([], None),
-    "moe": ([MOE], None),
-    "zero3": (["parallel.zero_stage=3"], None),
-    "bf16-zero2-2workers": (["parallel.zero_stage=2", "parallel.precision=bf16"], 2),
+    "zero2": (["parallel.zero_stage=2"], None, True),
+    "zero3": (["parallel.zero_stage=3"], None, True),
+    "zero2-2workers": (["parallel.zero_stage=2"], 2, True),
+    "moe": ([MOE], None, False),
     "moe-ep2-bf16-2workers": (
         [MOE, "parallel.ep_size=2", "parallel.zero_stage=2", "parallel.precision=bf16"],
         2,
+        False,
     ),
 }
-RESUME_STEPS = ["train.max_steps=24", "train.checkpoint_every=8", "train.eval_every=8"]
+RESUME_STEPS = ["train.checkpoint_every=5"]  # 20 steps, as the golden run (the cadence changes no weight)
 
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
-def test_exact_resume_after_sigkill(case: str, tmp_path: Path) -> None:
-    """SIGKILL of the whole launch (driver, Ray, workers) right after a checkpoint, then the same command: the
-    run continues from that checkpoint into the same MLflow run and matches an uninterrupted run bit for bit."""
-    settings, workers = RESUME_CASES[case]
+def test_exact_resume_after_sigkill(case: str, golden_run: TrainedModel, tmp_path: Path) -> None:
+    """The uninterrupted run agrees with the golden curve (fp32 cases) and exports the engine's weights; then a
+    SIGKILL of the whole launch (driver, Ray, workers) right after a checkpoint, and the same command: the run
+    continues from that checkpoint into the same MLflow run and matches the uninterrupted one bit for bit."""
+    settings, workers, like_golden = RESUME_CASES[case]
     extra = [*RESUME_STEPS, *settings]
     straight = pretrain_cli(tmp_path / "straight", *extra, workers=workers)
     curve = losses(Path(straight.run_dir))
-    assert sorted(curve) == list(range(1, 25))
-    assert sum(curve[s] for s in (22, 23, 24)) < sum(curve[s] for s in (1, 2, 3)) - 0.6  # it learns
-    assert straight.export_valid, "the checkpoint must export to a verified Hugging Face model"
+    assert sorted(curve) == list(range(1, 21))
+    assert sum(curve[s] for s in (18, 19, 20)) < sum(curve[s] for s in (1, 2, 3)) - 0.6  # it learns
+    if (
+        like_golden
+    ):  # fp32 sums in another order (per-rank means, then an all-reduce): equal to ~1e-6 relative
+        reference = losses(Path(golden_run.run_dir))
+        assert all(curve[s] == pytest.approx(reference[s], rel=1e-5) for s in reference), (curve, reference)
+    record = json.loads((Path(straight.hf_export) / "export.json").read_text())
+    bound = 1e-5 if like_golden else 5e-3  # bf16: the export is fp32, the engine computed in bf16
+    assert (
+        straight.export_valid and record["engine_rel_diff"] <= bound
+    )  # the gathered weights are the engine's
 
     out = tmp_path / "killed"
     args = ["pretrain", "smoke", *with_sets(smoke_overrides(out, *extra))]
     args += ["--workers", str(workers)] if workers else []
-    run_dir = kill_after_checkpoint(args, out / "pretrain", 8, tmp_path / "killed.log")
+    run_dir = kill_after_checkpoint(args, out / "pretrain", 5, tmp_path / "killed.log")
     done = [s for s, _ in ckpt.complete_checkpoints(run_dir / "checkpoints")]
-    assert done and done[-1] < 24, f"killed too late: {done}"
+    assert done and done[-1] < 20, f"killed too late: {done}"
     first_run_id = ckpt.read_meta(ckpt.latest_checkpoint(run_dir / "checkpoints"))["mlflow_run_id"]
     # what a kill in the middle of a save leaves: a staging directory and a renamed one without its marker
     ckpt.prepare_staging(run_dir / "checkpoints", 200)
