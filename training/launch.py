@@ -51,6 +51,7 @@ def run_workers(
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    private = not os.environ.get("RAY_ADDRESS")  # checked before ensure_ray: is the instance ours alone?
     ensure_ray(workers + 1)
     scaling = ScalingConfig(
         num_workers=workers,
@@ -58,7 +59,7 @@ def run_workers(
         resources_per_worker=None if use_gpu else {"CPU": 1},
         placement_strategy=placement,
     )
-    trainer = TorchTrainer(
+    trainer = (_without_pg_cleaner(TorchTrainer) if private else TorchTrainer)(
         worker,
         train_loop_config=spec,
         scaling_config=scaling,
@@ -70,6 +71,19 @@ def run_workers(
     )
     log.info("launching %d Ray Train workers (gpu=%s)", workers, use_gpu)
     trainer.fit()
+
+
+def _without_pg_cleaner(trainer: type) -> type:
+    """`trainer` without Ray Train's placement-group cleaner, for a private Ray instance: the cleaner frees the
+    workers' resources if the controller dies, but a private instance dies with this process anyway, and its
+    state-API polling (no dashboard here) held every shutdown for 12 s ("Monitor thread did not exit")."""
+
+    class PrivateInstanceTrainer(trainer):
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks = super()._create_default_callbacks()
+            return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
+    return PrivateInstanceTrainer
 
 
 def run_stage_workers(
