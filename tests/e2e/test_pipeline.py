@@ -21,7 +21,8 @@ from flows.recipe import load_recipe
 from infra.services import free_port, start_mlflow, start_prefect, stop
 from infra.storage import sha256_file
 from tests.pretrain_helpers import clean_env, lmforge_command, smoke_overrides, with_sets
-from training.sweep import plan_trials
+from training.model import ModelConfig
+from training.sweep import count_n, plan_trials
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 EVAL = ["eval.max_documents=20", "eval.builtin_questions=20", "data.sft.max_examples=300"]
@@ -145,6 +146,20 @@ def test_mlflow_holds_the_lineage(served_run):
         / rung_metrics["fit/rung_measured_loss"]
     )
     assert "results.parquet" in {a.path for a in client.list_artifacts(sweep.info.run_id)}
+    # the size chosen from the fit is the size trained: N* is the law's closed form (Hoffmann et al. 2022, eq. 4),
+    # and the pretraining run has exactly the rung's N and D
+    (fit_json,) = out.glob("sweep/*/fit-*/fit.json")
+    fit = json.loads(fit_json.read_text())
+    law, optimal, rung = fit["law"], fit["optimal"], fit["rung"]
+    alpha, beta = law["alpha"], law["beta"]
+    g = (alpha * law["A"] / (beta * law["B"])) ** (1 / (alpha + beta))
+    assert optimal["n_opt"] == pytest.approx(g * (optimal["budget"] / 6) ** (beta / (alpha + beta)), rel=1e-9)
+    (rung_dir,) = out.glob("pretrain/smoke-optimal-*")
+    spec = json.loads((rung_dir / "spec.json").read_text())
+    assert count_n(ModelConfig(**spec["model"]), fit["param_count"]) == rung["n"]
+    train = spec["train"]
+    assert train["max_steps"] * train["global_batch_size"] * train["seq_len"] == rung["d"]
+    assert 0.5 < rung["n"] / optimal["n_opt"] < 2  # the nearest size on the sweep's grid
     assert "hf_export" in {a.path for a in client.list_artifacts(children["pretrain"].info.run_id)}
     sft_artifacts = {a.path for a in client.list_artifacts(children["sft"].info.run_id)}
     assert {"adapter", "hf_export", "eval_report"} <= sft_artifacts

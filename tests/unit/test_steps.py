@@ -91,6 +91,9 @@ def test_loading_a_missing_or_unfinished_run_says_which(tmp_path: Path) -> None:
         ("eval.max_documents=7", set()),  # evaluation and other sections never re-key training
         ("parallel.threads_per_worker=1", set()),  # nor settings that cannot change the weights
         ("parallel.max_failures=3", set()),
+        ("parallel.placement=strict_spread", set()),
+        # another worker count is another run (sums over other ranks round differently), never a resume
+        ("parallel.world_size=2", {"pretrain", "sft"}),
         ("tracking.experiment=other", set()),
         ("sweep.min_steps=50", set()),
     ],
