@@ -29,10 +29,11 @@ demo: install
 	$(VENV)/bin/lmforge model summary demo
 	$(VENV)/bin/lmforge pipeline demo
 
-# The two-node Ray cluster test runs last, in its own process (it needs the machine's CPUs to itself).
+# The two-node Ray cluster test runs last, in its own process (it needs the machine's CPUs to itself). The slowest
+# tests are listed at the end of each run, so a CI log says where the time went.
 test: install
-	$(PY) -m pytest -q tests --deselect tests/integration/test_ray_cluster.py
-	$(PY) -m pytest -q tests/integration/test_ray_cluster.py
+	$(PY) -m pytest -q --durations=15 tests --deselect tests/integration/test_ray_cluster.py
+	$(PY) -m pytest -q --durations=5 tests/integration/test_ray_cluster.py
 
 test-fast: install
 	$(PY) -m pytest -q tests -m "not slow"
