@@ -159,7 +159,6 @@ def test_mlflow_holds_the_lineage(served_run):
     assert count_n(ModelConfig(**spec["model"]), fit["param_count"]) == rung["n"]
     train = spec["train"]
     assert train["max_steps"] * train["global_batch_size"] * train["seq_len"] == rung["d"]
-    assert 0.5 < rung["n"] / optimal["n_opt"] < 2  # the nearest size on the sweep's grid
     assert "hf_export" in {a.path for a in client.list_artifacts(children["pretrain"].info.run_id)}
     sft_artifacts = {a.path for a in client.list_artifacts(children["sft"].info.run_id)}
     assert {"adapter", "hf_export", "eval_report"} <= sft_artifacts
