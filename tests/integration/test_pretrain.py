@@ -152,11 +152,10 @@ def test_rerun_of_a_finished_run_returns_it(golden_run: TrainedModel) -> None:
 # Each case: overrides, workers, and whether it must reproduce the golden fp32 ZeRO-0 curve. Same global batch
 # (8): 1 worker x 2 micro-batches or 2 workers x 1. ZeRO-2 partitions optimiser state and gradients, ZeRO-3 also
 # the weights (gathered on export); the bf16 case splits the experts over the two ranks (EP=2). ZeRO-0 resume is
-# the e2e kill-and-rerun's.
+# the e2e kill-and-rerun's; 2-worker fp32 resume after a worker kill is the two-node Ray test's.
 RESUME_CASES = {
     "zero2": (["parallel.zero_stage=2"], None, True),
     "zero3": (["parallel.zero_stage=3"], None, True),
-    "zero2-2workers": (["parallel.zero_stage=2"], 2, True),
     "moe": ([MOE], None, False),
     "moe-ep2-bf16-2workers": (
         [MOE, "parallel.ep_size=2", "parallel.zero_stage=2", "parallel.precision=bf16"],
@@ -167,27 +166,39 @@ RESUME_CASES = {
 RESUME_STEPS = ["train.checkpoint_every=5"]  # 20 steps, as the golden run (the cadence changes no weight)
 
 
-@pytest.mark.parametrize("case", list(RESUME_CASES))
-def test_exact_resume_after_sigkill(case: str, golden_run: TrainedModel, tmp_path: Path) -> None:
-    """The uninterrupted run agrees with the golden curve (fp32 cases) and exports the engine's weights; then a
-    SIGKILL of the whole launch (driver, Ray, workers) right after a checkpoint, and the same command: the run
-    continues from that checkpoint into the same MLflow run and matches the uninterrupted one bit for bit."""
-    settings, workers, like_golden = RESUME_CASES[case]
-    extra = [*RESUME_STEPS, *settings]
-    straight = pretrain_cli(tmp_path / "straight", *extra, workers=workers)
-    curve = losses(Path(straight.run_dir))
+def uninterrupted(
+    out: Path, golden: TrainedModel, settings: list[str], workers: int | None, like_golden: bool
+) -> TrainedModel:
+    """A 20-step run that learns, agrees with the golden curve (fp32 cases) and exports the engine's weights."""
+    run = pretrain_cli(out, *RESUME_STEPS, *settings, workers=workers)
+    curve = losses(Path(run.run_dir))
     assert sorted(curve) == list(range(1, 21))
     assert sum(curve[s] for s in (18, 19, 20)) < sum(curve[s] for s in (1, 2, 3)) - 0.6  # it learns
     if (
         like_golden
     ):  # fp32 sums in another order (per-rank means, then an all-reduce): equal to ~1e-6 relative
-        reference = losses(Path(golden_run.run_dir))
+        reference = losses(Path(golden.run_dir))
         assert all(curve[s] == pytest.approx(reference[s], rel=1e-5) for s in reference), (curve, reference)
-    record = json.loads((Path(straight.hf_export) / "export.json").read_text())
+    record = json.loads((Path(run.hf_export) / "export.json").read_text())
     bound = 1e-5 if like_golden else 5e-3  # bf16: the export is fp32, the engine computed in bf16
-    assert (
-        straight.export_valid and record["engine_rel_diff"] <= bound
-    )  # the gathered weights are the engine's
+    assert run.export_valid and record["engine_rel_diff"] <= bound  # the gathered weights are the engine's
+    return run
+
+
+def test_two_workers_agree_with_one(golden_run: TrainedModel, tmp_path: Path) -> None:
+    """ZeRO-2 on 2 Ray workers x 1 micro-batch = the golden 1 worker x 2, fp32."""
+    uninterrupted(tmp_path, golden_run, ["parallel.zero_stage=2"], 2, like_golden=True)
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_exact_resume_after_sigkill(case: str, golden_run: TrainedModel, tmp_path: Path) -> None:
+    """After the uninterrupted run, a SIGKILL of the whole launch (driver, Ray, workers) right after a
+    checkpoint, and the same command: the run continues from that checkpoint into the same MLflow run and matches
+    the uninterrupted one bit for bit."""
+    settings, workers, like_golden = RESUME_CASES[case]
+    extra = [*RESUME_STEPS, *settings]
+    straight = uninterrupted(tmp_path / "straight", golden_run, settings, workers, like_golden)
+    curve = losses(Path(straight.run_dir))
 
     out = tmp_path / "killed"
     args = ["pretrain", "smoke", *with_sets(smoke_overrides(out, *extra))]
