@@ -17,19 +17,21 @@ from training.config import ParallelConfig
 log = logging.getLogger(__name__)
 
 
-def ensure_ray(min_cpus: int = 1) -> None:
+def ensure_ray(min_cpus: int = 1) -> bool:
     """Connect to the cluster at `RAY_ADDRESS`, or else start a private local instance with at least `min_cpus`
     logical CPUs — never both: a Ray head already running on this machine (say `lmforge up`'s) is not joined
-    unless `RAY_ADDRESS` names it."""
+    unless `RAY_ADDRESS` names it. True when the instance is private (it ends with this process)."""
     import ray
 
+    private = not os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
+        return private
+    if not private:
         ray.init()
     else:
         cpus = max(min_cpus, os.cpu_count() or 1)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    return private
 
 
 def run_workers(
@@ -51,8 +53,7 @@ def run_workers(
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    private = not os.environ.get("RAY_ADDRESS")  # checked before ensure_ray: is the instance ours alone?
-    ensure_ray(workers + 1)
+    private = ensure_ray(workers + 1)
     scaling = ScalingConfig(
         num_workers=workers,
         use_gpu=use_gpu,
