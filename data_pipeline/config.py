@@ -46,6 +46,22 @@ class SFTConfig(BaseModel):
     overflow: Literal["truncate", "drop"] = "drop"  # examples longer than the sequence length
 
 
+class PreferenceConfig(BaseModel):
+    """Preference pairs for DPO: derived from the SFT examples (chosen = the reference answer, rejected = another
+    question's answer or the reference's words shuffled), or a JSONL/Parquet file of `{"prompt", "chosen",
+    "rejected"}` records (`prompt` a string or a list of chat turns)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str = "derived"
+    rejected: Literal["other_answer", "shuffled"] = (
+        "other_answer"  # how derived pairs get their rejected side
+    )
+    max_pairs: PositiveInt | None = 2000
+    heldout_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
+    seed: int = 0
+
+
 class DataConfig(BaseModel):
     """Sources, tokenizer and shard layout of the pretraining corpus.
 
@@ -68,6 +84,7 @@ class DataConfig(BaseModel):
     num_workers: PositiveInt = 2
     backend: Literal["processes", "ray"] = "processes"
     sft: SFTConfig = SFTConfig()
+    preference: PreferenceConfig = PreferenceConfig()
 
     @field_validator("encoding")
     @classmethod

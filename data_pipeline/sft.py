@@ -167,12 +167,16 @@ def _write_split(path: Path, encoded: list[tuple[np.ndarray, np.ndarray]]) -> No
     atomic_write_bytes(path, sink.getvalue().to_pybytes())
 
 
+def sft_examples(cfg: SFTConfig) -> list[Messages]:
+    """The configured conversations: built-in stdlib questions or a JSONL file, at most `max_examples`."""
+    if cfg.source == "builtin":
+        return builtin_sft_examples(cfg.max_examples)
+    return read_sft_jsonl(Path(cfg.source))[: cfg.max_examples]
+
+
 def run_sft_data(cfg: SFTConfig, tok: TokenizerRef, seq_len: int, root: str | Path) -> SFTManifest:
     """Stage: encode SFT examples into `<root>/sft_data/sft-<hash>/{train,heldout}.arrow` (+ heldout.jsonl)."""
-    if cfg.source == "builtin":
-        examples = builtin_sft_examples(cfg.max_examples)
-    else:
-        examples = read_sft_jsonl(Path(cfg.source))[: cfg.max_examples]
+    examples = sft_examples(cfg)
     config = {
         "config": cfg.model_dump(mode="json", exclude={"source"}),
         "examples": digest_of(examples),

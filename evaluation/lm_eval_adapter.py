@@ -19,8 +19,9 @@ import lm_eval.models  # noqa: F401 - lm-eval lists its own models only into an 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from evaluation.model_io import EvalModel, load_export
+from evaluation.model_io import EvalModel
 from evaluation.scoring import generate_text, rolling_windows, score_continuations
+from training.hf_interop import load_export
 
 
 @register_model("lmforge")

@@ -5,13 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import TokenizerRef, describe
-from training.hf_interop import load_hf_config
+from training.hf_interop import load_export
 from training.model import Transformer
 from training.stage import TrainedModel
 
@@ -29,22 +27,6 @@ class EvalModel:
     @property
     def max_len(self) -> int:
         return self.model.cfg.max_seq_len
-
-
-def load_export(export_dir: str | Path) -> Transformer:
-    """Our Transformer with the weights of a Hugging Face export (names are identical; tied heads re-tied)."""
-    export_dir = Path(export_dir)
-    cfg = load_hf_config(export_dir)
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(export_dir.glob("*.safetensors")):
-        state.update(load_file(file))
-    model = Transformer(cfg, seed=None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]:
-        raise DataError(
-            f"{export_dir}: weights do not match its config (missing {missing}, unexpected {unexpected})"
-        )
-    return model.eval()
 
 
 def load_for_eval(ref: TrainedModel, name: str, tokenizer_digest: str | None = None) -> EvalModel:

@@ -23,6 +23,8 @@ from evaluation.report import EvalSpec
 from infra.config import Change, ConfigError, apply_overrides, parse_override
 from infra.tracking import TrackingConfig
 from training.config import (
+    DistillConfig,
+    DPOConfig,
     FinetuneConfig,
     OptimConfig,
     ParallelConfig,
@@ -31,8 +33,10 @@ from training.config import (
     check_batch,
     check_context,
 )
+from training.distill import DistillSpec
 from training.finetune import SFTSpec
 from training.model import ModelConfig
+from training.preference import DPOSpec
 from training.pretrain import PretrainSpec
 from training.sweep import SweepSpec
 
@@ -55,6 +59,8 @@ class Recipe(BaseModel):
     data: DataConfig = DataConfig()
     tracking: TrackingConfig = TrackingConfig()
     finetune: FinetuneConfig = FinetuneConfig()
+    dpo: DPOConfig = DPOConfig()
+    distill: DistillConfig = DistillConfig()
     sweep: SweepConfig = SweepConfig()
     eval: EvalConfig = EvalConfig()
 
@@ -75,7 +81,12 @@ class Recipe(BaseModel):
                 "parallel.ep_size>1 runs DeepSpeed's MoE layer, whose top-1 gate does not renormalise the routing "
                 "weight (ours does); use model.moe.top_k>=2 or parallel.ep_size=1"
             )
-        for prefix, optim in (("optim", self.optim), ("finetune.optim", self.finetune.optim)):
+        optims = (
+            ("optim", self.optim),
+            ("finetune.optim", self.finetune.optim),
+            ("dpo.optim", self.dpo.optim),
+        )
+        for prefix, optim in (*optims, ("distill.optim", self.distill.optim)):
             if optim.name == "muon" and optim.grad_clip > 0 and par.zero_stage >= 1:
                 raise ValueError(
                     f"{prefix}.name=muon with {prefix}.grad_clip={optim.grad_clip} under ZeRO-{par.zero_stage}: "
@@ -83,9 +94,15 @@ class Recipe(BaseModel):
                     f"on the smoke model); set {prefix}.grad_clip=0 (Muon's update has a fixed scale) or "
                     "parallel.zero_stage=0"
                 )
-        for prefix, run in (("train", train), ("finetune.train", self.finetune.train)):
+        runs = (("train", train), ("finetune.train", self.finetune.train), ("dpo.train", self.dpo.train))
+        for prefix, run in (*runs, ("distill.train", self.distill.train)):
             check_batch(run, par, prefix)
             check_context(run, self.model.max_seq_len, prefix)
+        try:
+            self.student()
+        except ValidationError as error:
+            problem = format_validation_error(error).replace("\n", "; ")
+            raise ValueError(f"distill.student: {problem}") from None
         if self.data.tokenizer.vocab_size > self.model.vocab_size:
             raise ValueError(
                 f"data.tokenizer.vocab_size={self.data.tokenizer.vocab_size} exceeds "
@@ -117,6 +134,49 @@ class Recipe(BaseModel):
             optim=ft.optim,
             train=ft.train,
             eval_examples=ft.eval_examples,
+            parallel=self.parallel,
+            tracking=self.tracking,
+        )
+
+    def dpo_spec(self) -> DPOSpec:
+        dpo = self.dpo
+        return DPOSpec(
+            name=self.name,
+            output_dir=self.output_dir,
+            method=dpo.method,
+            lora=dpo.lora,
+            loss=dpo.loss,
+            optim=dpo.optim,
+            train=dpo.train,
+            eval_pairs=dpo.eval_pairs,
+            parallel=self.parallel,
+            tracking=self.tracking,
+        )
+
+    def student(self) -> ModelConfig:
+        """The distillation student: the recipe's model with `distill.student`'s changes (`depth` derives the
+        widths again)."""
+        model = self.model.model_dump(mode="json")
+        if "depth" in self.distill.student:
+            model = {
+                k: v
+                for k, v in model.items()
+                if k not in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
+            }
+        return ModelConfig.model_validate({**model, **self.distill.student})
+
+    def distill_spec(self) -> DistillSpec:
+        d = self.distill
+        return DistillSpec(
+            name=self.name,
+            output_dir=self.output_dir,
+            model=self.student(),
+            loss=d.loss,
+            alpha=d.alpha,
+            temperature=d.temperature,
+            jsd_beta=d.jsd_beta,
+            optim=d.optim,
+            train=d.train,
             parallel=self.parallel,
             tracking=self.tracking,
         )

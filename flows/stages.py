@@ -16,12 +16,15 @@ from typing import Any, Literal
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict
 
+from data_pipeline.preference import PreferenceManifest
 from data_pipeline.sft import SFTManifest
 from data_pipeline.shards import DatasetManifest
 from evaluation.report import EvalReport
 from evaluation.scaling_report import ScalingFit
 from flows.recipe import ConfigError, Recipe
 from flows.runner import Runner, StepProgress, T, TrialProgress
+from training.distill import Teacher
+from training.preference import ReferenceLogps
 from training.stage import TrainedModel
 from training.sweep import SweepResult
 
@@ -58,23 +61,27 @@ def pretrain(recipe: Recipe, data: DatasetManifest, progress: StepProgress | Non
     return run_pretrain(recipe.pretrain_spec(), data, progress=progress)
 
 
-def sft_examples(recipe: Recipe, tokenizer_dir: str | Path) -> SFTManifest:
-    """SFT examples encoded with the given tokenizer at the fine-tuning sequence length (what SFT accepts)."""
+def sft_examples(recipe: Recipe, tokenizer_dir: str | Path, seq_len: int | None = None) -> SFTManifest:
+    """SFT examples encoded with the given tokenizer at `seq_len` (default: the fine-tuning sequence length)."""
     from data_pipeline.sft import run_sft_data
     from data_pipeline.tokenizer import describe
 
-    return run_sft_data(
-        recipe.data.sft, describe(Path(tokenizer_dir)), recipe.finetune.train.seq_len, recipe.output_dir
-    )
+    seq_len = seq_len or recipe.finetune.train.seq_len
+    return run_sft_data(recipe.data.sft, describe(Path(tokenizer_dir)), seq_len, recipe.output_dir)
+
+
+def exported(model: TrainedModel) -> str:
+    """The run's Hugging Face export (its tokenizer files too), or one line naming the fix."""
+    if not Path(model.hf_export).is_dir():
+        raise ConfigError(
+            f"{model.path} has no Hugging Face export (and so no tokenizer files) to start from; rerun its "
+            "stage to export it"
+        )
+    return model.hf_export
 
 
 def sft_data(recipe: Recipe, base: TrainedModel) -> SFTManifest:
-    if not Path(base.hf_export).is_dir():
-        raise ConfigError(
-            f"{base.path} has no Hugging Face export (and so no tokenizer files) to fine-tune from; rerun its "
-            "pretraining to export it"
-        )
-    return sft_examples(recipe, base.hf_export)
+    return sft_examples(recipe, exported(base))
 
 
 def finetune(
@@ -85,12 +92,83 @@ def finetune(
     return run_sft(recipe.sft_spec(), base, data, progress=progress)
 
 
+def preference_data(recipe: Recipe, base: TrainedModel) -> PreferenceManifest:
+    """Preference pairs (derived from the SFT conversations, or the user's file) encoded with the base's
+    tokenizer at the preference-tuning sequence length."""
+    from data_pipeline.preference import derive_pairs, read_pairs, run_preference_data
+    from data_pipeline.sft import sft_examples as conversations
+    from data_pipeline.tokenizer import describe
+
+    cfg = recipe.data.preference
+    if cfg.source == "derived":
+        pairs = derive_pairs(conversations(recipe.data.sft), cfg.rejected, cfg.seed)
+    else:
+        pairs = read_pairs(Path(cfg.source))
+    tokenizer = describe(Path(exported(base)))
+    return run_preference_data(
+        cfg, pairs[: cfg.max_pairs], tokenizer, recipe.dpo.train.seq_len, recipe.output_dir
+    )
+
+
+def reference_logps(recipe: Recipe, base: TrainedModel, data: PreferenceManifest) -> ReferenceLogps:
+    from training.preference import run_reference_logps
+
+    return run_reference_logps(data, base, recipe.output_dir)
+
+
+def dpo(
+    recipe: Recipe,
+    base: TrainedModel,
+    data: PreferenceManifest,
+    reference: ReferenceLogps,
+    progress: StepProgress | None = None,
+) -> TrainedModel:
+    from training.preference import run_dpo
+
+    return run_dpo(recipe.dpo_spec(), base, data, reference, progress=progress)
+
+
+def distill(
+    recipe: Recipe,
+    teacher: Teacher,
+    data: DatasetManifest | SFTManifest,
+    progress: StepProgress | None = None,
+) -> TrainedModel:
+    from training.distill import run_distill
+
+    return run_distill(recipe.distill_spec(), teacher, data, progress=progress)
+
+
+def student_baseline(
+    recipe: Recipe, data: DatasetManifest, progress: StepProgress | None = None
+) -> TrainedModel:
+    """The distillation student trained from scratch on the same tokens in the same order (same seed)."""
+    from training.pretrain import run_pretrain
+
+    spec = recipe.pretrain_spec().model_copy(
+        update={
+            "name": f"{recipe.name}-student",
+            "model": recipe.student(),
+            "optim": recipe.distill.optim,
+            "train": recipe.distill.train,
+            "probe": None,
+        }
+    )
+    return run_pretrain(spec, data, progress=progress)
+
+
 def evaluate(
-    recipe: Recipe, models: list[TrainedModel], sft_heldout: str | None = None, names: list[str] | None = None
+    recipe: Recipe,
+    models: list[TrainedModel],
+    sft_heldout: str | None = None,
+    names: list[str] | None = None,
+    preference_heldout: str | None = None,
 ) -> EvalReport:
     from evaluation.report import run_eval
 
-    return run_eval(recipe.eval_spec(), models, names, sft_heldout=sft_heldout)
+    return run_eval(
+        recipe.eval_spec(), models, names, sft_heldout=sft_heldout, preference_heldout=preference_heldout
+    )
 
 
 def register(
@@ -130,6 +208,41 @@ def finetuned(
     examples = run("sft_data", sft_data, recipe, base)
     progress = run.steps("finetune", recipe.finetune.train.max_steps)
     return run("finetune", finetune, recipe, base, examples, progress=progress), examples
+
+
+def preference_tuned(
+    recipe: Recipe, run: Runner, base: TrainedModel | None = None
+) -> tuple[TrainedModel, PreferenceManifest]:
+    """DPO from `base` (default: this recipe's fine-tuned model): pairs, reference log-probabilities, training."""
+    base = base or finetuned(recipe, run)[0]
+    pairs = run("preference_data", preference_data, recipe, base)
+    reference = run("reference_logps", reference_logps, recipe, base, pairs)
+    progress = run.steps("dpo", recipe.dpo.train.max_steps)
+    return run("dpo", dpo, recipe, base, pairs, reference, progress=progress), pairs
+
+
+def distilled(
+    recipe: Recipe, run: Runner, teacher: Teacher | None = None
+) -> tuple[TrainedModel, TrainedModel | None]:
+    """The student distilled from `teacher` (default: this recipe's pretrained model) and, on token data with
+    `distill.baseline`, the same student trained from scratch on the same tokens."""
+    from training.distill import teacher_from_run
+
+    data = run("tokenize", tokens, recipe)
+    teacher = teacher or teacher_from_run(pretrained(recipe, run))
+    if recipe.distill.data == "sft":
+        examples: DatasetManifest | SFTManifest = run(
+            "sft_data", sft_examples, recipe, teacher.path, recipe.distill.train.seq_len
+        )
+    else:
+        examples = data
+    steps = recipe.distill.train.max_steps
+    student = run("distill", distill, recipe, teacher, examples, progress=run.steps("distill", steps))
+    baseline = None
+    if recipe.distill.baseline and recipe.distill.data == "tokens":
+        progress = run.steps("student_baseline", steps)
+        baseline = run("student_baseline", student_baseline, recipe, data, progress=progress)
+    return student, baseline
 
 
 def swept(recipe: Recipe, run: Runner) -> SweepResult:

@@ -140,6 +140,50 @@ class FinetuneConfig(BaseModel):
     eval_examples: PositiveInt = 64  # held-out prompts for exact match before and after
 
 
+class PreferenceLoss(BaseModel):
+    """The DPO family, named as TRL names them: `sigmoid` (DPO), `ipo`, `hinge`, and `sigmoid_norm` (DPO on
+    per-token mean log-probabilities, so long answers do not dominate); β scales the implicit reward."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["sigmoid", "ipo", "hinge", "sigmoid_norm"] = "sigmoid"
+    beta: PositiveFloat = 0.1
+
+
+class DPOConfig(BaseModel):
+    """Preference tuning (the recipe's `dpo:` section): full or LoRA, from the fine-tuned (or pretrained) model,
+    which is also the frozen reference."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["full", "lora"] = "lora"
+    lora: LoraSettings = LoraSettings()
+    loss: PreferenceLoss = PreferenceLoss()
+    optim: OptimConfig = OptimConfig(lr=5e-4, warmup_steps=5, weight_decay=0.0, schedule="cosine")
+    train: TrainConfig = TrainConfig(seq_len=128, max_steps=100, eval_every=50, checkpoint_every=50)
+    eval_pairs: PositiveInt = 256  # held-out pairs scored before and after
+
+
+class DistillConfig(BaseModel):
+    """Knowledge distillation (the recipe's `distill:` section): a student, given as changes to the recipe's
+    model (typically a smaller depth), learns from a frozen teacher with α·CE + (1-α)·T²·KL(teacher‖student) on
+    temperature-softened distributions (`kl`), or the generalised Jensen-Shannon divergence (`jsd`, `jsd_beta`
+    from 0 = forward KL to 1 = reverse KL), over all tokens of the token shards (`data: tokens`) or the response
+    tokens of the SFT examples (`data: sft`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    student: dict[str, Any] = Field(default_factory=lambda: {"n_layers": 1})
+    loss: Literal["kl", "jsd"] = "kl"
+    alpha: float = Field(0.5, ge=0.0, le=1.0)  # weight of the hard-label cross-entropy
+    temperature: PositiveFloat = 2.0
+    jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
+    data: Literal["tokens", "sft"] = "tokens"
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig(seq_len=128)
+    baseline: bool = True  # also train the same student from scratch on the same tokens, for the report
+
+
 class SweepSize(BaseModel):
     """One model size of a sweep: a depth and, optionally, a width (d_model) other than depth × aspect ratio."""
 

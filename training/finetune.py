@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import PositiveInt
@@ -122,58 +123,104 @@ class SFT(TrainingStage):
 
     def finalize(self, job: TrainingJob, final: Path, tracker: Tracker) -> TrainedModel:
         """Adapter / merged export (verified), before-and-after metrics."""
-        from training.parallel import fp32_state_dict
-
         spec: SFTSpec = job.spec
         base: TrainedModel = job.inputs["base"]
-        cfg = ModelConfig(**base.model)
-        state = fp32_state_dict(final, tie_embeddings=False)
-        adapter_dir = None
         tokenizer = describe(Path(base.hf_export)).load()
         examples = heldout_examples(job.inputs["data"], spec.eval_examples)
         model = base_model(base)  # the base is read once: scored first, then turned into the tuned model
         match_before = exact_match(model, tokenizer, examples)
-        tuned = apply_lora(model, spec.lora) if spec.method == "lora" else model
-        trainable, total = trainable_counts(tuned)
-        if spec.method == "lora":
-            tuned.load_state_dict(state, strict=True)
-            adapter_dir = job.run_dir / "adapter"
-            save_adapter(tuned, adapter_dir, base.hf_export, query_fold(cfg))
-            weights = merged_state_dict(tuned)
-        else:
-            weights = state
-            if cfg.tie_embeddings:
-                weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        verification = export_hf(weights, cfg, base.hf_export, job.run_dir / "hf")
-        tuned_model = Transformer(cfg, seed=None)
-        tuned_model.load_state_dict(weights, strict=True)
+        tuned = export_tuned(job, final, model, spec.method, spec.lora, base.hf_export)
         val = val_losses(job.run_dir)
         summary = {
-            "sft/trainable_params": float(trainable),
-            "sft/trainable_fraction": trainable / total,
+            **tuned.counts("sft"),
             "sft/heldout_loss_before": val[0],
             "sft/heldout_loss_after": val[-1],
             "sft/exact_match_before": match_before,
-            "sft/exact_match_after": exact_match(tuned_model, tokenizer, examples),
-            "export/max_abs_logit_diff": verification["max_abs_logit_diff"],
+            "sft/exact_match_after": exact_match(tuned.model, tokenizer, examples),
+            "export/max_abs_logit_diff": tuned.verification["max_abs_logit_diff"],
         }
-        if adapter_dir is not None:
-            tracker.log_artifact(adapter_dir, "adapter")
         atomic_write_json(job.run_dir / "sft_summary.json", summary)
-        return trained_model(
+        return tuned.trained_model(
             job,
             final,
             tracker,
             "lora" if spec.method == "lora" else "sft-full",
-            verification,
             summary,
             final_val_loss=val[-1],
             tokenizer_digest=base.tokenizer_digest,
-            model=base.model,
-            adapter=str(adapter_dir.resolve()) if adapter_dir else None,
             base_run_dir=base.path,
-            summary=summary,
         )
+
+
+@dataclass
+class Tuned:
+    """A fine-tuned model's final weights: the verified export, the adapter (LoRA), the model itself."""
+
+    model: Transformer  # the tuned weights (merged for LoRA), fp32
+    verification: dict[str, Any]
+    adapter_dir: Path | None
+    trainable: int
+    total: int
+
+    def counts(self, prefix: str) -> dict[str, float]:
+        return {
+            f"{prefix}/trainable_params": float(self.trainable),
+            f"{prefix}/trainable_fraction": self.trainable / self.total,
+        }
+
+    def trained_model(
+        self,
+        job: TrainingJob,
+        final: Path,
+        tracker: Tracker,
+        kind: str,
+        summary: dict[str, float],
+        **fields: Any,
+    ) -> TrainedModel:
+        """The run's artifact (the adapter logged and recorded when there is one)."""
+        if self.adapter_dir is not None:
+            tracker.log_artifact(self.adapter_dir, "adapter")
+        adapter = str(self.adapter_dir.resolve()) if self.adapter_dir else None
+        model = self.model.cfg.model_dump(mode="json")
+        return trained_model(
+            job,
+            final,
+            tracker,
+            kind,
+            self.verification,
+            summary,
+            model=model,
+            adapter=adapter,
+            summary=summary,
+            **fields,
+        )
+
+
+def export_tuned(
+    job: TrainingJob, final: Path, base: Transformer, method: str, lora: LoraSettings, base_export: str
+) -> Tuned:
+    """Load the final checkpoint onto `base` (wrapped in LoRA first when `method` is lora; `base` is changed in
+    place), save the adapter pointing at `base_export`, and write the verified merged export to `<run>/hf`."""
+    from training.parallel import fp32_state_dict
+
+    cfg = base.cfg
+    state = fp32_state_dict(final, tie_embeddings=False)
+    tuned = apply_lora(base, lora) if method == "lora" else base
+    trainable, total = trainable_counts(tuned)
+    adapter_dir = None
+    if method == "lora":
+        tuned.load_state_dict(state, strict=True)
+        adapter_dir = job.run_dir / "adapter"
+        save_adapter(tuned, adapter_dir, base_export, query_fold(cfg))
+        weights = merged_state_dict(tuned)
+    else:
+        weights = state
+        if cfg.tie_embeddings:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    verification = export_hf(weights, cfg, base_export, job.run_dir / "hf")
+    model = Transformer(cfg, seed=None)
+    model.load_state_dict(weights, strict=True)
+    return Tuned(model.eval(), verification, adapter_dir, trainable, total)
 
 
 SFT_STAGE = SFT()

@@ -16,9 +16,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from training.model import ModelConfig
+from data_pipeline.sources import DataError
+from training.model import ModelConfig, Transformer
 from training.moe import MoEConfig
 
 log = logging.getLogger(__name__)
@@ -149,3 +152,19 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     return model_config_from_hf(data)
+
+
+def load_export(export_dir: str | Path) -> Transformer:
+    """Our Transformer with the weights of a Hugging Face export (names are identical; tied heads re-tied)."""
+    export_dir = Path(export_dir)
+    cfg = load_hf_config(export_dir)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(export_dir.glob("*.safetensors")):
+        state.update(load_file(file))
+    model = Transformer(cfg, seed=None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]:
+        raise DataError(
+            f"{export_dir}: weights do not match its config (missing {missing}, unexpected {unexpected})"
+        )
+    return model.eval()

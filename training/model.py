@@ -347,10 +347,10 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.model.norm(x))  # (B, T, V)
         if self.cfg.output_mult != 1.0:
             logits = logits * self.cfg.output_mult
-        if targets is None:
-            return ModelOutput(logits=logits, router_stats=stats)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         aux = self.router_loss(stats)
+        if targets is None:
+            return ModelOutput(logits=logits, aux_loss=aux, router_stats=stats)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         return ModelOutput(logits=logits, loss=ce + aux, ce_loss=ce, aux_loss=aux, router_stats=stats)
 
     def router_loss(self, stats: list[RouterStats]) -> Tensor | float:

@@ -44,7 +44,7 @@ class TrainedModel(Artifact):
     """A finished training run: final checkpoint, verified Hugging Face export, headline numbers. `path` is the run
     directory; `kind` says what the model is."""
 
-    kind: Literal["pretrain", "sft-full", "lora"]
+    kind: Literal["pretrain", "sft-full", "lora", "dpo-full", "dpo-lora", "distill"]
     checkpoint: str
     hf_export: str
     export_valid: bool

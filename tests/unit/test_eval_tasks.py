@@ -13,11 +13,12 @@ import torch
 
 from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import describe
-from evaluation.model_io import EvalModel, load_export, load_for_eval
+from evaluation.model_io import EvalModel, load_for_eval
 from evaluation.scoring import rolling_windows, score_continuations
 from evaluation.spectra import effective_rank
 from evaluation.tasks import Task, load_task, run_task, stdlib_import_task
 from training.export import export_hf
+from training.hf_interop import load_export
 from training.model import ModelConfig, Transformer
 from training.stage import TrainedModel
 

@@ -73,8 +73,9 @@ class DeepSpeedEngine:
             ds.bfloat16_enabled() or ds.fp16_enabled()
         )
 
-    def forward(self, batch: Batch) -> ModelOutput:
-        return self.ds(batch.inputs.to(self.device), targets=batch.targets.to(self.device))
+    def forward(self, batch: Batch, with_loss: bool = True) -> ModelOutput:
+        targets = batch.targets.to(self.device) if with_loss else None
+        return self.ds(batch.inputs.to(self.device), targets=targets)
 
     def backward(self, loss: Tensor) -> None:
         self.ds.backward(loss)

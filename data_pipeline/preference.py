@@ -1,0 +1,299 @@
+"""Preference pairs for DPO: (prompt, chosen, rejected), rendered with the chat template, loss on the response.
+
+Sources: `derived`, made offline from the SFT conversations (chosen = the reference answer; rejected = another
+question's answer, `other_answer`, or the reference's words shuffled, `shuffled`, both drawn from the seed), or
+a JSONL / Parquet file of `{"prompt", "chosen", "rejected"}` records, the prompt a string (one user turn) or a
+list of chat turns that ends before the answer.
+
+Each side is one row: the prompt's turns, `<|assistant|>\\n`, the response and its end-of-turn marker, with the
+loss mask on the response and marker only (earlier assistant turns carry none). Pairs whose sides are equal or
+empty are dropped and counted; a side longer than the sequence length has its response cut (counted), and a
+pair whose prompt alone fills the context is dropped (counted). Stored like the SFT examples: Arrow per split,
+the held-out pairs as JSONL, a manifest with the tokenizer digest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tokenizers import Tokenizer
+from torch import Tensor
+
+from data_pipeline.config import ROLES, SPECIAL_TOKENS, PreferenceConfig
+from data_pipeline.loader import IGNORE_INDEX, EpochSampler, SampledLoader
+from data_pipeline.sft import Messages, render
+from data_pipeline.sources import DataError, split_of
+from data_pipeline.tokenizer import TokenizerRef
+from infra.steps import Artifact, Step, run_step
+from infra.storage import MANIFEST, atomic_write_bytes, digest_of
+
+log = logging.getLogger(__name__)
+PREFERENCE_FORMAT_VERSION = 1
+SIDES = ("chosen", "rejected")
+
+
+class Pair(NamedTuple):
+    prompt: Messages  # the turns before the answer
+    chosen: str
+    rejected: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"prompt": self.prompt, "chosen": self.chosen, "rejected": self.rejected}
+
+
+class PairBatch(NamedTuple):
+    """B pairs as 2B rows (chosen rows first, then rejected, as TRL concatenates them) plus the reference
+    model's log-probabilities of each side, (B, 2), when known."""
+
+    inputs: Tensor  # (2B, T)
+    targets: Tensor  # (2B, T), IGNORE_INDEX off the responses
+    reference: Tensor | None = None
+
+    def n_targets(self) -> int:
+        return int((self.targets != IGNORE_INDEX).sum())
+
+    @property
+    def n_pairs(self) -> int:
+        return self.inputs.shape[0] // 2
+
+
+# ---- sources ----------------------------------------------------------------------------------------------
+
+
+def derive_pairs(conversations: list[Messages], how: str, seed: int) -> list[Pair]:
+    """Pairs from SFT conversations: chosen = the final answer; rejected = the answer of the conversation a fixed
+    random offset away (`other_answer`) or the answer's words in a seeded random order (`shuffled`)."""
+    rng = np.random.default_rng(seed)
+    answers = [c[-1]["content"] for c in conversations]
+    offset = int(rng.integers(1, len(answers))) if len(answers) > 1 else 0
+    pairs = []
+    for i, conversation in enumerate(conversations):
+        if how == "other_answer":
+            rejected = answers[(i + offset) % len(answers)]
+        else:
+            words = answers[i].split()
+            rejected = " ".join(words[j] for j in rng.permutation(len(words)))
+        pairs.append(Pair(conversation[:-1], answers[i], rejected))
+    return pairs
+
+
+def _pair(record: Any, where: str) -> Pair:
+    """A `{"prompt", "chosen", "rejected"}` record, checked."""
+    if not isinstance(record, dict) or not all(k in record for k in ("prompt", *SIDES)):
+        raise DataError(f"{where}: expected {{'prompt': ..., 'chosen': ..., 'rejected': ...}}")
+    prompt = record["prompt"]
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(turns, list) or not turns:
+        raise DataError(
+            f"{where}: 'prompt' must be a string or a non-empty list of {{'role', 'content'}} turns"
+        )
+    texts = [*(t.get("content") if isinstance(t, dict) else None for t in turns), *(record[s] for s in SIDES)]
+    if not all(isinstance(t, str) for t in texts):
+        raise DataError(f"{where}: the prompt's contents, 'chosen' and 'rejected' must be strings")
+    if any(t.get("role") not in ROLES for t in turns):
+        raise DataError(f"{where}: unknown role in the prompt; roles are {', '.join(ROLES)}")
+    if reserved := [m for m in SPECIAL_TOKENS for text in texts if m in text]:
+        raise DataError(f"{where}: the text contains the reserved marker {reserved[0]}; remove it")
+    return Pair(
+        [{"role": t["role"], "content": t["content"]} for t in turns], record["chosen"], record["rejected"]
+    )
+
+
+def read_pairs(path: Path) -> list[Pair]:
+    """User-supplied pairs from JSONL (one record per line) or Parquet (columns prompt, chosen, rejected)."""
+    if not path.is_file():
+        raise DataError(
+            f"data.preference.source: {path} does not exist; give a JSONL or Parquet file or 'derived'"
+        )
+    if path.suffix == ".parquet":
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowInvalid, OSError) as error:
+            raise DataError(f"{path}: not a readable Parquet file ({error})") from None
+        records = [(row, f"{path} row {i}") for i, row in enumerate(rows)]
+    else:
+        records = []
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if line.strip():
+                try:
+                    records.append((json.loads(line), f"{path}:{lineno}"))
+                except json.JSONDecodeError as error:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({error.msg})") from None
+    if not records:
+        raise DataError(f"{path}: no preference pairs")
+    return [_pair(record, where) for record, where in records]
+
+
+# ---- encoding ---------------------------------------------------------------------------------------------
+
+
+def encode_side(tokenizer: Tokenizer, prompt: Messages, response: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of the prompt turns plus the response turn, and a 0/1 mask on the response and its marker."""
+    text, spans = render([*prompt, {"role": "assistant", "content": response}])
+    start, end = spans[-1]
+    encoding = tokenizer.encode(text[:end])
+    starts = np.array([s for s, _ in encoding.offsets], dtype=np.int64)
+    return np.array(encoding.ids, dtype=np.int32), (starts >= start).astype(np.uint8)
+
+
+def fit_to_context(ids: np.ndarray, mask: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The side cut to `seq_len + 1` tokens (inputs and shifted targets), or None when no response token fits."""
+    ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
+    return (ids, mask) if mask[1:].any() else None
+
+
+class PreferenceManifest(Artifact):
+    """Encoded preference pairs (train and held-out Arrow files plus the held-out pairs as JSONL)."""
+
+    version: int
+    tokenizer_digest: str
+    pad_id: int
+    seq_len: int
+    counts: dict[
+        str, int
+    ]  # pairs per split, plus dropped_identical / dropped_empty / dropped_too_long / truncated
+    config: dict[str, Any]
+
+    @classmethod
+    def load(cls, directory: str | Path) -> PreferenceManifest:
+        if not (Path(directory) / MANIFEST).is_file():
+            raise DataError(f"{directory}: no {MANIFEST}; run `lmforge dpo` to build the preference pairs")
+        return cls.model_validate_json((Path(directory) / MANIFEST).read_text())
+
+
+def run_preference_data(
+    cfg: PreferenceConfig, pairs: list[Pair], tok: TokenizerRef, seq_len: int, root: str | Path
+) -> PreferenceManifest:
+    """Stage: encode `pairs` into `<root>/preference_data/pairs-<hash>/{train,heldout}.arrow` (+ heldout.jsonl)."""
+    config = {
+        "config": cfg.model_dump(mode="json", exclude={"source"}),
+        "pairs": digest_of([p.as_json() for p in pairs]),
+        "tokenizer": tok.digest,
+        "seq_len": seq_len,
+    }
+    step = Step("preference_data", "pairs", PREFERENCE_FORMAT_VERSION, config, PreferenceManifest)
+    return run_step(root, step, lambda out, _key: _encode_pairs(cfg, pairs, tok, seq_len, out))
+
+
+def _encode_pairs(
+    cfg: PreferenceConfig, pairs: list[Pair], tok: TokenizerRef, seq_len: int, out: Path
+) -> PreferenceManifest:
+    tokenizer = tok.load()
+    counts = dict.fromkeys(("dropped_identical", "dropped_empty", "dropped_too_long", "truncated"), 0)
+    splits: dict[str, list[list[np.ndarray]]] = {"train": [], "heldout": []}
+    heldout: list[Pair] = []
+    for pair in pairs:
+        if not pair.chosen.strip() or not pair.rejected.strip():
+            counts["dropped_empty"] += 1
+            continue
+        if pair.chosen.strip() == pair.rejected.strip():
+            counts["dropped_identical"] += 1
+            continue
+        sides = [encode_side(tokenizer, pair.prompt, response) for response in (pair.chosen, pair.rejected)]
+        fitted = [fit_to_context(ids, mask, seq_len) for ids, mask in sides]
+        if None in fitted:
+            counts["dropped_too_long"] += 1
+            continue
+        counts["truncated"] += any(len(ids) > seq_len + 1 for ids, _ in sides)
+        split = (
+            "heldout"
+            if split_of(json.dumps(pair.as_json(), sort_keys=True), cfg.heldout_fraction) == "val"
+            else "train"
+        )
+        splits[split].append([array for side in fitted for array in side])
+        if split == "heldout":
+            heldout.append(pair)
+    dropped = {k: v for k, v in counts.items() if v}
+    if dropped:
+        log.warning("preference pairs: %s", ", ".join(f"{k} {v}" for k, v in dropped.items()))
+    if not splits["train"] or not splits["heldout"]:
+        raise DataError(
+            f"preference source {cfg.source!r}: too few usable pairs for a train and a held-out split "
+            f"({len(pairs)} read, {counts}); add pairs or lower data.preference.heldout_fraction's denominator"
+        )
+    for split, rows in splits.items():
+        columns = [
+            pa.array([row[i] for row in rows], type=pa.list_(t))
+            for i, t in enumerate([pa.int32(), pa.uint8()] * 2)
+        ]
+        batch = pa.record_batch(columns, names=["chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"])
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        atomic_write_bytes(out / f"{split}.arrow", sink.getvalue().to_pybytes())
+    atomic_write_bytes(
+        out / "heldout.jsonl", "".join(json.dumps(p.as_json()) + "\n" for p in heldout).encode()
+    )
+    return PreferenceManifest(
+        version=PREFERENCE_FORMAT_VERSION,
+        path=str(out.resolve()),
+        tokenizer_digest=tok.digest,
+        pad_id=tok.pad_id,
+        seq_len=seq_len,
+        counts={**counts, **{split: len(rows) for split, rows in splits.items()}},
+        config=cfg.model_dump(mode="json"),
+    )
+
+
+def read_heldout_pairs(path: str | Path, limit: int | None = None) -> list[Pair]:
+    lines = Path(path).read_text().splitlines()[:limit]
+    return [Pair(**json.loads(line)) for line in lines if line]
+
+
+# ---- loading ----------------------------------------------------------------------------------------------
+
+
+class PreferenceLoader(SampledLoader):
+    """Padded pair batches in the same deterministic, rank-sharded, resumable order as the other loaders;
+    `reference` ((pairs, 2) log-probabilities, row-aligned with the split) rides along when given."""
+
+    def __init__(
+        self,
+        manifest: PreferenceManifest,
+        split: str = "train",
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        reference: np.ndarray | None = None,
+    ) -> None:
+        table = pa.ipc.open_file(pa.memory_map(str(Path(manifest.path) / f"{split}.arrow"), "r")).get_batch(0)
+        self.columns = {name: table.column(name) for name in table.schema.names}
+        self.seq_len, self.pad_id = manifest.seq_len, manifest.pad_id
+        if reference is not None and len(reference) != len(table):
+            raise DataError(
+                f"{manifest.path}: {len(reference)} reference log-probabilities for {len(table)} {split} pairs; "
+                "recompute the reference log-probabilities for this data"
+            )
+        self.reference = reference
+        self.sampler = EpochSampler(len(table), batch_size, rank, world_size, seed, shuffle)
+
+    def __len__(self) -> int:
+        return self.sampler.n_items
+
+    def _row(self, side: str, index: int) -> tuple[Tensor, Tensor]:
+        ids = torch.from_numpy(self.columns[f"{side}_ids"][index].values.to_numpy().astype(np.int64))
+        keep = torch.from_numpy(self.columns[f"{side}_mask"][index].values.to_numpy().astype(bool))
+        return ids, keep
+
+    def batch_of(self, indices: np.ndarray) -> PairBatch:
+        rows = 2 * len(indices)
+        inputs = torch.full((rows, self.seq_len), self.pad_id, dtype=torch.int64)
+        targets = torch.full((rows, self.seq_len), IGNORE_INDEX, dtype=torch.int64)
+        for s, side in enumerate(SIDES):
+            for i, index in enumerate(indices):
+                ids, keep = self._row(side, int(index))
+                row, n = s * len(indices) + i, len(ids) - 1
+                inputs[row, :n] = ids[:-1]
+                targets[row, :n] = torch.where(keep[1:], ids[1:], IGNORE_INDEX)
+        reference = None if self.reference is None else torch.from_numpy(self.reference[indices])
+        return PairBatch(inputs, targets, reference)

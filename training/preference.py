@@ -1,0 +1,320 @@
+"""Preference tuning (DPO and its variants) as a stage over the one training lifecycle.
+
+`run_dpo(spec, base, data, reference) -> TrainedModel`: the policy starts from `base` (a fine-tuned or pretrained
+run; full or LoRA) and learns from preference pairs, each step running the chosen and rejected sides through
+the policy only: the frozen reference model's log-probabilities were computed once (`run_reference_logps`) and
+ride along with the data, so training holds one model. Losses and logged metrics follow TRL's `DPOTrainer`
+(`rewards/chosen`, `rewards/rejected`, `rewards/margins`, `rewards/accuracies`, `logps/chosen`,
+`logps/rejected`), so numbers compare across tools. Before and after training it scores the held-out pairs.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import PositiveInt
+from torch import Tensor, nn
+
+from data_pipeline.loader import IGNORE_INDEX, SampledLoader
+from data_pipeline.preference import PairBatch, PreferenceLoader, PreferenceManifest
+from data_pipeline.sources import DataError
+from infra.steps import Artifact, Step, run_step
+from infra.storage import atomic_write_bytes, atomic_write_json
+from infra.tracking import Tracker
+from training.config import LoraSettings, PreferenceLoss, TrainingSpec
+from training.engine import Engine
+from training.finetune import export_tuned
+from training.hf_interop import load_export, load_hf_config
+from training.loop import Batches
+from training.lora import apply_lora
+from training.model import ModelConfig, Transformer
+from training.objective import Outcome
+from training.stage import Progress, TrainedModel, TrainingJob, TrainingStage, run_training_stage, val_losses
+
+REFERENCE_VERSION = 1
+
+# ---- the math (TRL's definitions) ---------------------------------------------------------------------------
+
+
+def sequence_logps(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row: the sum of the targets' log-probabilities over the positions that carry loss, and their count."""
+    per_token = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(targets.shape)
+    mask = targets != IGNORE_INDEX
+    return -(per_token * mask).sum(-1), mask.sum(-1)
+
+
+def pair_losses(
+    loss: PreferenceLoss, logps: Tensor, reference: Tensor, lengths: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Per-pair losses and the implicit rewards β·(log π − log π_ref), (B, 2), of (chosen, rejected).
+
+    `logps` and `lengths` are (2B,) with the chosen rows first; `reference` is (B, 2)."""
+    chosen, rejected = logps.chunk(2)
+    n_chosen, n_rejected = lengths.chunk(2)
+    scores = torch.stack([chosen, rejected], dim=1) - reference.to(logps)  # log-ratios against the reference
+    delta = scores[:, 0] - scores[:, 1]
+    if loss.type == "sigmoid":
+        per_pair = -F.logsigmoid(loss.beta * delta)
+    elif loss.type == "hinge":
+        per_pair = torch.relu(1 - loss.beta * delta)
+    else:  # ipo and sigmoid_norm compare per-token means of the log-ratios
+        mean_delta = scores[:, 0] / n_chosen.clamp(min=1) - scores[:, 1] / n_rejected.clamp(min=1)
+        if loss.type == "ipo":
+            per_pair = (mean_delta - 1 / (2 * loss.beta)) ** 2
+        else:
+            per_pair = -F.logsigmoid(loss.beta * mean_delta)
+    return per_pair, loss.beta * scores.detach()
+
+
+@dataclass(frozen=True)
+class PreferenceObjective:
+    """The loop's objective for pair batches: the mean per-pair loss, TRL's metrics alongside."""
+
+    loss: PreferenceLoss
+
+    def units(self, batch: PairBatch) -> int:
+        return batch.n_pairs
+
+    def __call__(self, engine: Engine, batch: PairBatch) -> Outcome:
+        out = engine.forward(batch, with_loss=False)  # the log-probabilities below are the only loss
+        logps, lengths = sequence_logps(out.logits, batch.targets.to(out.logits.device))
+        per_pair, rewards = pair_losses(self.loss, logps, batch.reference, lengths)
+        chosen, rejected = logps.detach().chunk(2)
+        metrics = {
+            "rewards/chosen": rewards[:, 0].mean(),
+            "rewards/rejected": rewards[:, 1].mean(),
+            "rewards/margins": (rewards[:, 0] - rewards[:, 1]).mean(),
+            "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).float().mean(),
+            "logps/chosen": chosen.mean(),
+            "logps/rejected": rejected.mean(),
+        }
+        return Outcome(per_pair.mean(), out.aux_loss, out.router_stats, metrics)
+
+
+# ---- the reference log-probabilities, computed once -----------------------------------------------------------
+
+
+class ReferenceLogps(Artifact):
+    """The frozen reference model's log-probabilities of every pair's sides: `<split>.npy`, (pairs, 2) float32,
+    row-aligned with the data's splits, with the digests of the model and the data they were computed from."""
+
+    model_digest: str
+    model_run: str
+    data_digest: str
+    counts: dict[str, int]
+
+    def array(self, split: str) -> np.ndarray:
+        return np.load(Path(self.path) / f"{split}.npy")
+
+
+@torch.no_grad()
+def pair_logps(
+    model: Transformer, loader: PreferenceLoader, batch_size: int = 16
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every pair's (chosen, rejected) summed log-probabilities under `model`, (pairs, 2), and the response
+    lengths, in the split's stored order (fp32, on the model's device)."""
+    device = next(model.parameters()).device
+    logps, lengths = [], []
+    model.eval()
+    for start in range(0, len(loader), batch_size):
+        batch = loader.batch_of(np.arange(start, min(start + batch_size, len(loader))))
+        out = model(batch.inputs.to(device))
+        lp, n = sequence_logps(out.logits, batch.targets.to(device))
+        logps.append(torch.stack(lp.chunk(2), dim=1).cpu())
+        lengths.append(torch.stack(n.chunk(2), dim=1).cpu())
+    return torch.cat(logps).numpy(), torch.cat(lengths).numpy()
+
+
+def run_reference_logps(
+    data: PreferenceManifest, reference: TrainedModel, root: str | Path
+) -> ReferenceLogps:
+    """Stage: the reference model's log-probabilities of every pair, cached by the data's and the model's digests."""
+    step = Step(
+        "preference_ref", "logps", REFERENCE_VERSION, {}, ReferenceLogps, {"data": data, "model": reference}
+    )
+
+    def build(out: Path, _key: str) -> ReferenceLogps:
+        model = load_export(reference.hf_export)
+        counts = {}
+        for split in ("train", "heldout"):
+            logps, _ = pair_logps(model, PreferenceLoader(data, split, batch_size=1, shuffle=False))
+            buffer = _npy_bytes(logps.astype(np.float32))
+            atomic_write_bytes(out / f"{split}.npy", buffer)
+            counts[split] = len(logps)
+        return ReferenceLogps(
+            path=str(out.resolve()),
+            model_digest=reference.digest(),
+            model_run=reference.path,
+            data_digest=data.digest(),
+            counts=counts,
+        )
+
+    return run_step(root, step, build)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def heldout_scores(
+    model: Transformer, data: PreferenceManifest, reference: np.ndarray, beta: float, limit: int
+) -> dict[str, float]:
+    """Held-out preference numbers of `model`: accuracy (log π(chosen) > log π(rejected)), the mean log-prob
+    margin, and against the reference TRL's reward accuracy and margin β·(Δ log π − Δ log π_ref)."""
+    loader = PreferenceLoader(data, "heldout", batch_size=1, shuffle=False)
+    logps, _ = pair_logps(model, loader)
+    logps, reference = logps[:limit].astype(np.float64), reference[:limit].astype(np.float64)
+    rewards = beta * (logps - reference)
+    return {
+        "accuracy": float((logps[:, 0] > logps[:, 1]).mean()),
+        "logp_margin": float((logps[:, 0] - logps[:, 1]).mean()),
+        "reward_accuracy": float((rewards[:, 0] > rewards[:, 1]).mean()),
+        "reward_margin": float((rewards[:, 0] - rewards[:, 1]).mean()),
+    }
+
+
+# ---- the stage ----------------------------------------------------------------------------------------------------
+
+
+class DPOSpec(TrainingSpec):
+    """What preference tuning receives: method, adapter and loss settings plus the common training slices."""
+
+    KEY: ClassVar[set[str]] = {"method", "lora", "loss", "optim", "train", "eval_pairs"}
+
+    method: Literal["full", "lora"] = "lora"
+    lora: LoraSettings = LoraSettings()
+    loss: PreferenceLoss = PreferenceLoss()
+    eval_pairs: PositiveInt = 256
+
+
+def policy_model(base: TrainedModel, spec: DPOSpec) -> nn.Module:
+    """The base's verified export (LoRA-merged when the base is an adapter) in fp32, with adapters if asked."""
+    model = load_export(base.hf_export).train()
+    return apply_lora(model, spec.lora) if spec.method == "lora" else model
+
+
+class Preference(TrainingStage):
+    name = "dpo"
+    version = 1
+
+    def check(self, spec: DPOSpec, inputs: Mapping[str, Artifact]) -> None:
+        base, data, reference = inputs["base"], inputs["data"], inputs["reference"]
+        assert isinstance(data, PreferenceManifest) and isinstance(reference, ReferenceLogps)
+        if base.tokenizer_digest != data.tokenizer_digest:
+            raise DataError(
+                f"the base model uses tokenizer {base.tokenizer_digest[:16]}... but the preference pairs {data.path} "
+                f"were made with {data.tokenizer_digest[:16]}...; rebuild the pairs with the base's tokenizer"
+            )
+        if data.seq_len != spec.train.seq_len:
+            raise DataError(
+                f"preference pairs have seq_len={data.seq_len}, dpo.train.seq_len={spec.train.seq_len}; rebuild them "
+                "with the preference-tuning sequence length"
+            )
+        if reference.model_digest != base.digest():
+            raise DataError(
+                f"the reference log-probabilities {reference.path} were computed with {reference.model_run}, not with "
+                f"the policy's starting model {base.path}; recompute them with that model (run_reference_logps)"
+            )
+        if reference.data_digest != data.digest():
+            raise DataError(
+                f"the reference log-probabilities {reference.path} belong to other preference pairs than {data.path}; "
+                "recompute them for these pairs"
+            )
+        if not Path(base.hf_export).is_dir():
+            raise DataError(
+                f"{base.path} has no Hugging Face export to start from; rerun its stage to export it"
+            )
+
+    def run_name(self, spec: DPOSpec) -> str:
+        return f"{spec.name}-{spec.loss.type}-{spec.method}"
+
+    def tags(self, spec: DPOSpec, inputs: Mapping[str, Artifact]) -> dict[str, str]:
+        base = inputs["base"]
+        return {
+            "lmforge.method": spec.method,
+            "lmforge.loss": spec.loss.type,
+            "lmforge.base_run_id": str(base.mlflow_run_id),
+            "lmforge.base_run_dir": base.path,
+            "lmforge.data_digest": inputs["data"].digest(),
+        }
+
+    def log_inputs(self, inputs: Mapping[str, Artifact], tracker: Tracker) -> None:
+        tracker.log_artifact(Path(inputs["data"].path) / "manifest.json", "data")
+
+    def model_config(self, job: TrainingJob) -> ModelConfig:
+        return load_hf_config(job.inputs["base"].hf_export)
+
+    def build_model(self, job: TrainingJob) -> nn.Module:
+        return policy_model(job.inputs["base"], job.spec)
+
+    def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
+        data, reference = job.inputs["data"], job.inputs["reference"]
+        common = {"batch_size": job.spec.train.micro_batch_size, "rank": rank, "world_size": world}
+        train = PreferenceLoader(
+            data, "train", seed=job.spec.train.seed, reference=reference.array("train"), **common
+        )
+        heldout = PreferenceLoader(
+            data, "heldout", shuffle=False, reference=reference.array("heldout"), **common
+        )
+        return train, heldout
+
+    def objective(self, job: TrainingJob) -> PreferenceObjective:
+        return PreferenceObjective(job.spec.loss)
+
+    def finalize(self, job: TrainingJob, final: Path, tracker: Tracker) -> TrainedModel:
+        """Adapter / merged export (verified); held-out preference accuracy and margins before and after."""
+        spec: DPOSpec = job.spec
+        base: TrainedModel = job.inputs["base"]
+        data, reference = job.inputs["data"], job.inputs["reference"].array("heldout")
+        model = load_export(base.hf_export)
+        before = heldout_scores(model, data, reference, spec.loss.beta, spec.eval_pairs)
+        tuned = export_tuned(job, final, model, spec.method, spec.lora, base.hf_export)
+        after = heldout_scores(tuned.model, data, reference, spec.loss.beta, spec.eval_pairs)
+        val = val_losses(job.run_dir)
+        summary = {
+            **tuned.counts("dpo"),
+            "dpo/heldout_loss_before": val[0],
+            "dpo/heldout_loss_after": val[-1],
+            **{f"dpo/heldout_{k}_before": v for k, v in before.items() if not k.startswith("reward")},
+            **{f"dpo/heldout_{k}_after": v for k, v in after.items()},
+            "export/max_abs_logit_diff": tuned.verification["max_abs_logit_diff"],
+        }
+        atomic_write_json(job.run_dir / "dpo_summary.json", summary)
+        kind = "dpo-lora" if spec.method == "lora" else "dpo-full"
+        return tuned.trained_model(
+            job,
+            final,
+            tracker,
+            kind,
+            summary,
+            final_val_loss=val[-1],
+            tokenizer_digest=base.tokenizer_digest,
+            base_run_dir=base.path,
+        )
+
+
+PREFERENCE = Preference()
+
+
+def run_dpo(
+    spec: DPOSpec,
+    base: TrainedModel,
+    data: PreferenceManifest,
+    reference: ReferenceLogps,
+    progress: Progress | None = None,
+) -> TrainedModel:
+    """Preference-tune `base` on `data` against the cached `reference` log-probabilities."""
+    return run_training_stage(
+        PREFERENCE, spec, {"base": base, "data": data, "reference": reference}, progress
+    )
