@@ -36,6 +36,11 @@ DEFAULT_GATES = (
     Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # without forgetting the pretraining text
     Gate(metric="stdlib-import-mc/acc", tolerance=0.10),  # or the downstream task
 )
+DEFAULT_DPO_GATES = (  # a preference-tuned model against the model it started from
+    Gate(metric="preference-heldout/accuracy", improve=True),  # it prefers the chosen answers more often
+    Gate(metric="sft-heldout-em/response_loss", tolerance=0.05),  # without unlearning the answers
+    Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # or the pretraining text
+)
 
 
 class EvalConfig(BaseModel):
@@ -59,3 +64,7 @@ class EvalConfig(BaseModel):
     register_name: str | None = None  # default "lmforge-<recipe name>"
     alias: str = "candidate"
     gates: list[Gate] = Field(default_factory=lambda: list(DEFAULT_GATES))  # candidate vs its base
+    dpo_gates: list[Gate] = Field(default_factory=lambda: list(DEFAULT_DPO_GATES))  # a DPO candidate vs its base
+
+    def gates_for(self, kind: str) -> list[Gate]:
+        return self.dpo_gates if kind.startswith("dpo") else self.gates

@@ -11,10 +11,11 @@ def gate_results(
     report: EvalReport, candidate: str, base: str | None, ref: TrainedModel, cfg: EvalConfig
 ) -> tuple[dict[str, bool], list[str]]:
     """(checked gates -> passed, declared gates not checked): `export_verified` always, then each of the
-    recipe's `eval.gates` comparing the candidate with its base, when both were measured."""
+    recipe's gates for the candidate's kind (`eval.dpo_gates` for a preference-tuned model, else `eval.gates`)
+    comparing the candidate with its base, when both were measured."""
     gates = {"export_verified": bool(ref.export_valid)}
     skipped = []
-    for gate in cfg.gates:
+    for gate in cfg.gates_for(ref.kind):
         ours = report.value(gate.metric, candidate)
         theirs = report.value(gate.metric, base) if base is not None and base != candidate else None
         if ours is None or theirs is None:

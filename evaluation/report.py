@@ -14,10 +14,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.config import DataConfig
+from data_pipeline.preference import Pair, read_heldout_pairs
 from data_pipeline.sources import Corpus
 from evaluation.config import EvalConfig
 from evaluation.heldout import heldout_documents, heldout_metrics
 from evaluation.model_io import EvalModel, load_for_eval
+from evaluation.preference_eval import preference_metrics
 from evaluation.scoring import generate_text
 from evaluation.spectra import expert_load, load_imbalance, lora_spectra, weight_spectra
 from evaluation.tasks import Task, load_task, run_task, sft_heldout_task, stdlib_import_task
@@ -71,7 +73,7 @@ def build_tasks(cfg: EvalConfig, sft_heldout: str | Path | None) -> list[Task]:
 
 
 def evaluate_model(
-    em: EvalModel, cfg: EvalConfig, docs: list, tasks: list[Task]
+    em: EvalModel, cfg: EvalConfig, docs: list, tasks: list[Task], pairs: list[Pair] | None = None
 ) -> tuple[dict[str, float], list, dict]:
     """Every metric, the samples and the spectra summary of one model."""
     metrics: dict[str, float] = {}
@@ -84,6 +86,9 @@ def evaluate_model(
     for task in tasks:
         for key, value in run_task(em, task, cfg.batch_size, cfg.max_new_tokens).items():
             metrics[f"{task.name}/{key}"] = value
+    if pairs:
+        for key, value in preference_metrics(em, pairs, cfg.batch_size).items():
+            metrics[f"preference-heldout/{key}"] = value
     if cfg.lm_eval_tasks:
         from evaluation.lm_eval_adapter import run_lm_eval
 
@@ -136,8 +141,10 @@ def run_eval(
     models: list[TrainedModel],
     names: list[str] | None = None,
     sft_heldout: str | Path | None = None,
+    preference_heldout: str | Path | None = None,
 ) -> EvalReport:
-    """Evaluate `models` with the spec's settings; cached by content (the models' digests, not their paths)."""
+    """Evaluate `models` with the spec's settings; cached by content (the models' digests, not their paths).
+    `sft_heldout` (conversations) and `preference_heldout` (pairs), JSONL, add their held-out tasks."""
     cfg = spec.eval
     names = names or [ref.kind for ref in models]
     if len(set(names)) != len(names):
@@ -152,9 +159,12 @@ def run_eval(
         "names": names,
         "sft_heldout": sha256_file(sft_heldout) if sft_heldout else None,
     }
+    if preference_heldout:  # only when given, so earlier reports keep their keys
+        config["preference_heldout"] = sha256_file(preference_heldout)
     step = Step("eval", spec.name, EVAL_VERSION, config, EvalReport, dict(zip(names, models, strict=True)))
+    pairs = read_heldout_pairs(preference_heldout, cfg.builtin_questions) if preference_heldout else None
     return run_step(
-        spec.output_dir, step, lambda out, key: _evaluate(spec, models, names, sft_heldout, out, key)
+        spec.output_dir, step, lambda out, key: _evaluate(spec, models, names, sft_heldout, out, key, pairs)
     )
 
 
@@ -165,6 +175,7 @@ def _evaluate(
     sft_heldout: str | Path | None,
     out: Path,
     key: str = "",
+    pairs: list[Pair] | None = None,
 ) -> EvalReport:
     cfg = spec.eval
     loaded = [load_for_eval(ref, name) for name, ref in zip(names, models, strict=True)]  # refuse before work
@@ -182,7 +193,7 @@ def _evaluate(
         table: dict[str, dict[str, float | None]] = {}
         samples, spectra, info = {}, {}, {}
         for em in loaded:
-            metrics, samples[em.name], spectra[em.name] = evaluate_model(em, cfg, docs, tasks)
+            metrics, samples[em.name], spectra[em.name] = evaluate_model(em, cfg, docs, tasks, pairs)
             for metric, value in metrics.items():
                 table.setdefault(metric, {})[em.name] = value
             info[em.name] = {

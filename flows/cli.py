@@ -195,14 +195,49 @@ def cmd_sft(args: argparse.Namespace) -> int:
     base = load_model(args.base) if args.base else None
     with bar_runner() as run:
         ref, _ = finetuned(recipe, run, base)
-    print(f"run        {ref.path} ({ref.kind}, base {ref.base_run_dir})")
+    print_tuned(ref)
+    return 0
+
+
+def cmd_dpo(args: argparse.Namespace) -> int:
+    """Preference tuning: pairs, the reference's log-probabilities, DPO from a fine-tuned run (given, or this
+    recipe's, trained first if needed)."""
+    from flows.stages import load_model, preference_tuned
+
+    recipe = load_recipe(args.recipe, args.set)
+    base = load_model(args.base) if args.base else None
+    with bar_runner() as run:
+        ref, pairs = preference_tuned(recipe, run, base)
+    print(f"pairs      {pairs.path} ({', '.join(f'{k} {v}' for k, v in pairs.counts.items())})")
+    print_tuned(ref)
+    return 0
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    """Distillation: a student learns from a teacher (a run or a Hugging Face export; default this recipe's
+    pretrained model), plus the same student from scratch on the same tokens."""
+    from flows.stages import distilled, load_teacher
+
+    recipe = load_recipe(args.recipe, args.set)
+    teacher = load_teacher(args.teacher) if args.teacher else None
+    with bar_runner() as run:
+        student, baseline = distilled(recipe, run, teacher)
+    print_tuned(student)
+    if baseline is not None:
+        print(
+            f"baseline   {baseline.path} (the same student from scratch): val loss {baseline.final_val_loss:.4f}"
+        )
+    return 0
+
+
+def print_tuned(ref: Any) -> None:
+    print(f"run        {ref.path} ({ref.kind}, from {ref.base_run_dir})")
     for key, value in ref.summary.items():
-        print(f"  {key:<28} {value:.4f}")
+        print(f"  {key:<36} {value:.4f}")
     if ref.adapter:
         print(f"adapter    {ref.adapter}  (PeftModel.from_pretrained(<base hf export>, adapter))")
     print(f"hf export  {ref.hf_export} (verified: {ref.export_valid})")
     print(f"mlflow run {ref.mlflow_run_id}")
-    return 0
 
 
 def cmd_lora_merge(args: argparse.Namespace) -> int:
@@ -307,6 +342,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_set_argument(sft)
     sft.set_defaults(handler=cmd_sft)
+
+    dpo = commands.add_parser(
+        "dpo", help="preference tuning (DPO, IPO, hinge, length-normalised) of a fine-tuned model"
+    )
+    dpo.add_argument("recipe", help="recipe path or name in configs/")
+    dpo.add_argument(
+        "--base",
+        help="a fine-tuned (or pretrained) run directory (default: this recipe's, trained if missing)",
+    )
+    add_set_argument(dpo)
+    dpo.set_defaults(handler=cmd_dpo)
+
+    distill = commands.add_parser(
+        "distill", help="knowledge distillation of a teacher into a smaller student"
+    )
+    distill.add_argument("recipe", help="recipe path or name in configs/")
+    distill.add_argument(
+        "--teacher",
+        help="an lmforge run directory or a Hugging Face export (default: this recipe's pretrained model)",
+    )
+    add_set_argument(distill)
+    distill.set_defaults(handler=cmd_distill)
 
     lora = commands.add_parser("lora", help="LoRA adapters").add_subparsers(dest="action", required=True)
     merge = lora.add_parser("merge", help="merge an adapter into its base and save a Hugging Face model")

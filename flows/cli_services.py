@@ -57,6 +57,8 @@ def pipeline_params(args: argparse.Namespace) -> Any:
         size=args.size,
         budget=args.budget,
         finetune=not args.no_finetune,
+        dpo=args.dpo,
+        distill=args.distill,
         register_model=not args.no_register,
     )
 
@@ -239,6 +241,14 @@ def add_service_commands(commands: Any, add_set_argument: Any) -> None:
         help="compute budget in FLOPs for the final model (default: sweep.target_budget)",
     )
     pipe.add_argument("--no-finetune", action="store_true")
+    pipe.add_argument(
+        "--dpo", action="store_true", help="preference-tune the fine-tuned model (the recipe's dpo:)"
+    )
+    pipe.add_argument(
+        "--distill",
+        action="store_true",
+        help="distil the pretrained model into a student (the recipe's distill:)",
+    )
     pipe.add_argument("--no-register", action="store_true")
     add_set_argument(pipe)
     pipe.set_defaults(handler=cmd_pipeline)

@@ -84,13 +84,30 @@ class PipelineParams(RecipeParams):
         None, gt=0, title="Compute budget (FLOPs)", description="default: sweep.target_budget"
     )
     finetune: bool = Field(True, title="Fine-tune", description="run SFT (finetune.method: lora or full)")
+    dpo: bool = Field(
+        False,
+        title="Preference-tune (DPO)",
+        description="DPO on preference pairs after fine-tuning (dpo.loss: sigmoid, ipo, hinge, sigmoid_norm); "
+        "the registry then gates the DPO model against the fine-tuned one",
+    )
+    distill: bool = Field(
+        False,
+        title="Distil a student",
+        description="distil the pretrained model into a smaller student (distill.student) and train the same "
+        "student from scratch on the same tokens, side by side in the report",
+    )
     register_model: bool = Field(
         True, title="Register", description="log the final model to the MLflow registry"
     )
 
     def options(self) -> stages.PipelineOptions:
         return stages.PipelineOptions(
-            size=self.size, budget=self.budget, finetune=self.finetune, register_model=self.register_model
+            size=self.size,
+            budget=self.budget,
+            finetune=self.finetune,
+            dpo=self.dpo,
+            distill=self.distill,
+            register_model=self.register_model,
         )
 
 
@@ -130,6 +147,24 @@ class FinetuneParams(RecipeParams):
     )
 
 
+class DPOParams(RecipeParams):
+    base: str | None = Field(
+        None,
+        title="Base run",
+        description="a fine-tuned (or pretrained) run directory to start from and compare against (default: "
+        "this recipe's fine-tuned model)",
+    )
+
+
+class DistillParams(RecipeParams):
+    teacher: str | None = Field(
+        None,
+        title="Teacher",
+        description="an lmforge run directory or a Hugging Face export with the same tokenizer (default: this "
+        "recipe's pretrained model)",
+    )
+
+
 class EvalParams(RecipeParams):
     runs: list[str] = Field(
         default_factory=list, title="Runs", description="finished run directories to compare"
@@ -164,6 +199,18 @@ def finetune_flow(params: FinetuneParams) -> str:
     return stages.finetuned(params.load(), PrefectRunner(), base)[0].path
 
 
+@flow(name="dpo")
+def dpo_flow(params: DPOParams) -> str:
+    base = stages.load_model(params.base) if params.base else None
+    return stages.preference_tuned(params.load(), PrefectRunner(), base)[0].path
+
+
+@flow(name="distill")
+def distill_flow(params: DistillParams) -> str:
+    teacher = stages.load_teacher(params.teacher) if params.teacher else None
+    return stages.distilled(params.load(), PrefectRunner(), teacher)[0].path
+
+
 @flow(name="evaluate")
 def evaluate_flow(params: EvalParams) -> str:
     models = [stages.load_model(run) for run in params.runs]
@@ -178,5 +225,7 @@ FLOWS = {
     "fit_scaling": fit_scaling_flow,
     "pretrain": pretrain_flow,
     "finetune": finetune_flow,
+    "dpo": dpo_flow,
+    "distill": distill_flow,
     "evaluate": evaluate_flow,
 }

@@ -16,16 +16,18 @@ def register_final(
     report: EvalReport,
     base_name: str | None,
     scaling: ScalingFit | None = None,
+    candidate: str | None = None,
 ) -> RegisteredVersion:
-    """Gate the model on the report; register it (alias only when every gate passes), tagged with whether the
-    scaling law's prediction for its pretrained base held."""
-    names = list(report.models)
-    gates, skipped = gate_results(report, names[-1], base_name, ref, recipe.eval)
+    """Gate the model (`candidate` in the report, default its last model) against `base_name`; register it
+    (alias only when every gate passes), tagged with whether the scaling law's prediction for its pretrained
+    base held."""
+    candidate = candidate or list(report.models)[-1]
+    gates, skipped = gate_results(report, candidate, base_name, ref, recipe.eval)
     name = recipe.eval.register_name or f"lmforge-{recipe.name.removesuffix('-optimal')}"
     lines = [
-        f"{m}: {v.get(names[-1])}"
+        f"{m}: {v.get(candidate)}"
         for m, v in report.metrics.items()
-        if m.startswith(("heldout/all", "sft-heldout", "stdlib"))
+        if m.startswith(("heldout/all", "sft-heldout", "preference-heldout", "stdlib"))
     ]
     return register(
         recipe.tracking,

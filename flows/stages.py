@@ -177,10 +177,11 @@ def register(
     report: EvalReport,
     base_name: str | None,
     law: ScalingFit | None = None,
+    name: str | None = None,
 ) -> Any:
     from flows.registration import register_final
 
-    return register_final(recipe, ref, report, base_name, law)
+    return register_final(recipe, ref, report, base_name, law, name)
 
 
 # ---- compositions -------------------------------------------------------------------------------------
@@ -194,6 +195,15 @@ def load_model(run_dir: str | Path) -> TrainedModel:
             f"{run_dir}: no such run directory; give a training run's directory (outputs/<stage>/<name>-<hash>)"
         )
     return TrainedModel.load(run_dir)
+
+
+def load_teacher(source: str | Path) -> Teacher:
+    """A distillation teacher: a finished lmforge run directory, or a Hugging Face export directory."""
+    from training.distill import teacher_from_export, teacher_from_run
+
+    if (Path(source) / "manifest.json").is_file():
+        return teacher_from_run(load_model(source))
+    return teacher_from_export(source)
 
 
 def pretrained(recipe: Recipe, run: Runner) -> TrainedModel:
@@ -222,7 +232,7 @@ def preference_tuned(
 
 
 def distilled(
-    recipe: Recipe, run: Runner, teacher: Teacher | None = None
+    recipe: Recipe, run: Runner, teacher: Teacher | None = None, times: dict[str, float] | None = None
 ) -> tuple[TrainedModel, TrainedModel | None]:
     """The student distilled from `teacher` (default: this recipe's pretrained model) and, on token data with
     `distill.baseline`, the same student trained from scratch on the same tokens."""
@@ -236,12 +246,14 @@ def distilled(
         )
     else:
         examples = data
+    times = {} if times is None else times
     steps = recipe.distill.train.max_steps
-    student = run("distill", distill, recipe, teacher, examples, progress=run.steps("distill", steps))
+    progress = run.steps("distill", steps)
+    student = timed(times, "distill", run, distill, recipe, teacher, examples, progress=progress)
     baseline = None
     if recipe.distill.baseline and recipe.distill.data == "tokens":
         progress = run.steps("student_baseline", steps)
-        baseline = run("student_baseline", student_baseline, recipe, data, progress=progress)
+        baseline = timed(times, "student_baseline", run, student_baseline, recipe, data, progress=progress)
     return student, baseline
 
 
@@ -258,6 +270,8 @@ class PipelineOptions(BaseModel):
     size: Literal["fit", "recipe"] = "fit"
     budget: float | None = None
     finetune: bool = True
+    dpo: bool = False
+    distill: bool = False
     register_model: bool = True
 
 
@@ -324,29 +338,65 @@ def pipeline(
         outputs["scaling plots"] = str(fit_dir(result, budget) / "*.png")
         run.publish("fit", recipe, {**summary["rung"], "chosen size": note}, result.mlflow_run_id)
         record_fit(recipe, law, fit_dir(result, budget), budget)
-    models, heldout = [base], None
+    models, names, heldout, pairs = [base], ["pretrain"], None, None
+    tuned = base
     if options.finetune:
         examples = timed(times, "sft_data", run, sft_data, final, base)
         progress = run.steps("finetune", final.finetune.train.max_steps)
         tuned = timed(times, "finetune", run, finetune, final, base, examples, progress=progress)
         run.publish("finetune", recipe, tuned.summary, tuned.mlflow_run_id)
         models.append(tuned)
+        names.append(tuned.kind)
         heldout = str(Path(examples.path) / "heldout.jsonl")
         outputs |= {
             "fine-tuned model": tuned.hf_export,
             **({"LoRA adapter": tuned.adapter} if tuned.adapter else {}),
         }
-    report = timed(times, "evaluate", run, evaluate, final, models, heldout)
+    candidate = tuned
+    if options.dpo:
+        pair_data = timed(times, "preference_data", run, preference_data, final, tuned)
+        reference = timed(times, "reference_logps", run, reference_logps, final, tuned, pair_data)
+        progress = run.steps("dpo", final.dpo.train.max_steps)
+        candidate = timed(times, "dpo", run, dpo, final, tuned, pair_data, reference, progress=progress)
+        run.publish("dpo", recipe, {**pair_data.counts, **candidate.summary}, candidate.mlflow_run_id)
+        models.append(candidate)
+        names.append(candidate.kind)
+        pairs = str(Path(pair_data.path) / "heldout.jsonl")
+        outputs["preference-tuned model"] = candidate.hf_export
+    if options.distill:
+        from training.distill import teacher_from_run
+
+        student, baseline = distilled(final, run, teacher_from_run(base), times)
+        run.publish("distill", recipe, student.summary, student.mlflow_run_id)
+        models.append(student)
+        names.append("student-distilled")
+        outputs["distilled student"] = student.hf_export
+        if baseline is not None:
+            models.append(baseline)
+            names.append("student-scratch")
+    report = timed(times, "evaluate", run, evaluate, final, models, heldout, names, pairs)
     run.publish("evaluate", recipe, eval_headline(report), report.mlflow_run_id)
     summary |= {"eval": eval_headline(report), "report": str(Path(report.path) / "report.md")}
     outputs["eval report"] = summary["report"]
     if options.register_model:
-        base_name = list(report.models)[0] if len(models) > 1 else None
-        version = timed(times, "register", run, register, final, models[-1], report, base_name, law)
+        chain = [m.path for m in models]
+        base_name = names[chain.index(candidate.base_run_dir)] if candidate is not base else None
+        version = timed(
+            times,
+            "register",
+            run,
+            register,
+            final,
+            candidate,
+            report,
+            base_name,
+            law,
+            names[models.index(candidate)],
+        )
         summary["registered"] = version.model_dump()
         numbers = {"model": version.name, "version": version.version, "alias": version.alias, **version.gates}
         run.publish("register", recipe, numbers)
-        record_register(recipe, version, models[-1])
+        record_register(recipe, version, candidate)
     summary |= {"stage_seconds": times, "outputs": outputs}
     return summary
 
@@ -381,5 +431,6 @@ def eval_headline(report: EvalReport) -> dict[str, Any]:
         "stdlib-import-mc/acc",
         "sft-heldout-em/exact_match",
         "sft-heldout-em/response_loss",
+        "preference-heldout/accuracy",
     )
     return {m: report.metrics[m] for m in keep if m in report.metrics}

@@ -206,7 +206,7 @@ def test_gates_compare_in_each_metrics_direction_and_name_what_was_not_measured(
         }
     )
     cfg = EvalConfig()
-    ref = SimpleNamespace(export_valid=True)
+    ref = SimpleNamespace(export_valid=True, kind="lora")
     gates, skipped = gate_results(report, "lora", "pretrain", ref, cfg)
     assert gates == {
         "export_verified": True,
@@ -218,3 +218,20 @@ def test_gates_compare_in_each_metrics_direction_and_name_what_was_not_measured(
         "checked export_verified pass, heldout/all/bits_per_byte FAIL, stdlib-import-mc/acc pass; "
         "not checked (not measured): sft-heldout-em/response_loss"
     )
+    # a preference-tuned candidate is gated on preference accuracy (must improve) and response loss (5%)
+    report = EvalReport.model_construct(
+        metrics={
+            "preference-heldout/accuracy": {"lora": 0.80, "dpo-full": 0.90},
+            "sft-heldout-em/response_loss": {"lora": 2.0, "dpo-full": 2.12},
+            "heldout/all/bits_per_byte": {"lora": 2.0, "dpo-full": 2.01},
+        }
+    )
+    dpo = SimpleNamespace(export_valid=True, kind="dpo-full")
+    gates, skipped = gate_results(report, "dpo-full", "lora", dpo, cfg)
+    assert gates == {
+        "export_verified": True,
+        "preference-heldout/accuracy": True,
+        "sft-heldout-em/response_loss": False,  # 6% worse
+        "heldout/all/bits_per_byte": True,
+    }
+    assert skipped == []
