@@ -260,12 +260,20 @@ class Preference(TrainingStage):
 
     def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
         data, reference = job.inputs["data"], job.inputs["reference"]
-        common = {"batch_size": job.spec.train.micro_batch_size, "rank": rank, "world_size": world}
+        batch = job.spec.train.micro_batch_size
+        common = {"rank": rank, "world_size": world}
         train = PreferenceLoader(
-            data, "train", seed=job.spec.train.seed, reference=reference.array("train"), **common
+            data,
+            "train",
+            batch_size=batch,
+            seed=job.spec.train.seed,
+            reference=reference.array("train"),
+            **common,
         )
+        # a held-out set smaller than a batch per rank is still scored, in smaller batches
+        batch = max(1, min(batch, data.counts["heldout"] // world))
         heldout = PreferenceLoader(
-            data, "heldout", shuffle=False, reference=reference.array("heldout"), **common
+            data, "heldout", batch_size=batch, shuffle=False, reference=reference.array("heldout"), **common
         )
         return train, heldout
 
