@@ -54,9 +54,9 @@ class PreferenceConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     source: str = "derived"
-    rejected: Literal["other_answer", "shuffled"] = (
-        "other_answer"  # how derived pairs get their rejected side
-    )
+    # how derived pairs get their rejected side; `shuffled` (the answer's words in another order) teaches even a
+    # small model something that carries over to held-out questions, another question's answer mostly does not
+    rejected: Literal["other_answer", "shuffled"] = "shuffled"
     max_pairs: PositiveInt | None = 2000
     heldout_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
     seed: int = 0

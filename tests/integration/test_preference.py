@@ -1,0 +1,159 @@
+"""DPO and distillation end to end on the smoke model: DPO learns the held-out preferences from ln 2, logs TRL's
+metric names to MLflow, resumes bit-exactly after SIGKILL, refuses a foreign reference cache; distillation trains
+a student next to the same student from scratch on the same tokens and refuses a foreign teacher."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from data_pipeline.sources import DataError
+from flows.runner import Direct
+from flows.stages import distilled, dpo, preference_data, reference_logps, tokens
+from tests.pretrain_helpers import (
+    SMOKE_SETTINGS,
+    cli,
+    kill_after_checkpoint,
+    logged_once,
+    losses,
+    smoke_overrides,
+    with_sets,
+)
+from training import checkpoint as ckpt
+from training.distill import run_distill, teacher_from_run
+from training.preference import run_dpo
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+TRL_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+class Quiet(Direct):
+    def steps(self, name: str, total: int) -> None:
+        return None
+
+
+@pytest.fixture(scope="module")
+def dpo_run(smoke_base, smoke_lora, tmp_path_factory):
+    """(recipe, fine-tuned base, pairs, reference, DPO run) in an output directory of its own."""
+    recipe, _ = smoke_base
+    _, tuned = smoke_lora
+    recipe = recipe.override(f"output_dir={tmp_path_factory.mktemp('dpo')}")
+    pairs = preference_data(recipe, tuned)
+    reference = reference_logps(recipe, tuned, pairs)
+    return recipe, tuned, pairs, reference, dpo(recipe, tuned, pairs, reference)
+
+
+def test_dpo_learns_the_heldout_preferences_and_logs_trls_metrics(dpo_run) -> None:
+    from mlflow import MlflowClient
+
+    recipe, tuned, pairs, _, run = dpo_run
+    s = run.summary
+    assert pairs.counts["train"] > 200 and pairs.counts["heldout"] >= 16
+    assert s["dpo/heldout_loss_before"] == pytest.approx(
+        math.log(2), abs=1e-6
+    )  # the policy starts as the reference
+    assert s["dpo/heldout_loss_after"] < math.log(2) - 0.05
+    assert s["dpo/heldout_accuracy_after"] > s["dpo/heldout_accuracy_before"]
+    assert s["dpo/heldout_reward_accuracy_after"] > 0.8 and s["dpo/heldout_reward_margin_after"] > 0
+    assert run.kind == "dpo-full" and run.export_valid and run.base_run_dir == tuned.path
+    records = [json.loads(line) for line in (Path(run.path) / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "train/loss" in r]
+    assert all(name in r for r in trained for name in TRL_METRICS)
+    assert trained[0]["rewards/margins"] == 0.0 and trained[-1]["rewards/accuracies"] > 0.5
+    client = MlflowClient(_tracking_uri(recipe))
+    mlflow_run = client.get_run(run.mlflow_run_id)
+    assert mlflow_run.data.tags["lmforge.base_run_id"] == tuned.mlflow_run_id  # lineage to the SFT run
+    assert {"rewards/margins", "rewards/accuracies", "dpo/heldout_accuracy_after"} <= set(
+        mlflow_run.data.metrics
+    )
+
+
+def _tracking_uri(recipe) -> str:
+    from infra.tracking import tracking_uri
+
+    return tracking_uri(recipe.tracking, recipe.output_dir)
+
+
+def test_dpo_resumes_bit_exactly_after_sigkill(dpo_run, tmp_path: Path) -> None:
+    """`lmforge dpo` killed right after its step-10 checkpoint and run again: every loss equals the
+    uninterrupted run's, and the steps before the checkpoint were trained once."""
+    _, tuned, _, _, straight = dpo_run
+    args = ["dpo", "smoke", "--base", tuned.path, *with_sets(smoke_overrides(tmp_path, *SMOKE_SETTINGS))]
+    run_dir = kill_after_checkpoint(args, tmp_path / "dpo", 10, tmp_path / "log")
+    done = [s for s, _ in ckpt.complete_checkpoints(run_dir / "checkpoints")]
+    assert done and done[-1] < 30, f"killed too late: {done}"
+    resumed = cli(*args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "dpo/heldout_accuracy_after" in resumed.stdout
+    assert Path(run_dir).name == Path(straight.path).name  # the same content key in another output directory
+    assert losses(run_dir) == losses(Path(straight.path))
+    assert logged_once(run_dir, done[-1])
+
+
+def test_dpo_bad_input_is_refused(dpo_run, smoke_base, tmp_path: Path) -> None:
+    recipe, tuned, pairs, _, _ = dpo_run
+    _, pretrained = smoke_base
+    foreign = reference_logps(
+        recipe, pretrained, pairs
+    )  # made with the pretrained model, not the policy's start
+    with pytest.raises(DataError, match="were computed with .* not with the policy's starting model"):
+        run_dpo(recipe.dpo_spec(), tuned, pairs, foreign)
+    beta = cli("dpo", "smoke", "--set", "dpo.loss.beta=0")
+    assert beta.returncode == 2 and beta.stderr.strip().splitlines() == [
+        "lmforge: error: dpo.loss.beta: Input should be greater than 0 (got 0)"
+    ]
+    sets = with_sets(
+        smoke_overrides(tmp_path, *SMOKE_SETTINGS, f"data.preference.source={tmp_path / 'none.jsonl'}")
+    )
+    missing = cli("dpo", "smoke", "--base", tuned.path, *sets)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert "none.jsonl does not exist" in missing.stderr
+
+
+@pytest.fixture(scope="module")
+def distill_runs(smoke_base, tmp_path_factory):
+    recipe, base = smoke_base
+    recipe = recipe.override(f"output_dir={tmp_path_factory.mktemp('distill')}")
+    return recipe, base, *distilled(recipe, Quiet(), teacher_from_run(base))
+
+
+def test_distilled_student_and_its_from_scratch_twin(distill_runs) -> None:
+    recipe, teacher, student, scratch = distill_runs
+    assert student.kind == "distill" and student.export_valid and student.base_run_dir == teacher.path
+    assert student.model == scratch.model and student.model["n_layers"] == 1 < teacher.model["n_layers"]
+    records = [json.loads(line) for line in (Path(student.path) / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "train/loss" in r]
+    assert all("distill/ce" in r and "distill/kl" in r for r in trained)
+    for r in trained:  # the logged loss is α·CE + (1-α)·T²·KL
+        assert r["train/loss"] == pytest.approx(0.5 * r["distill/ce"] + 0.5 * r["distill/kl"], rel=1e-5)
+    scratch_tokens = [
+        json.loads(line)["train/tokens"]
+        for line in (Path(scratch.path) / "metrics.jsonl").read_text().splitlines()
+        if "train/tokens" in line
+    ]
+    assert [r["train/tokens"] for r in trained] == scratch_tokens  # the same tokens, step by step
+
+
+def test_a_teacher_with_another_tokenizer_or_vocabulary_is_refused(distill_runs, tokenized) -> None:
+    recipe, teacher, _, _ = distill_runs
+    other, _ = tokenized  # the stdlib sample under another tokenizer
+    spec = recipe.distill_spec()
+    with pytest.raises(DataError) as info:
+        run_distill(spec, teacher_from_run(teacher), other)
+    assert teacher.tokenizer_digest[:16] in str(info.value) and other.tokenizer.digest[:16] in str(info.value)
+    data = tokens(recipe)
+    wider = spec.model_copy(update={"model": spec.model.model_copy(update={"vocab_size": 640})})
+    with pytest.raises(DataError, match="vocab_size=512, the student model.vocab_size=640"):
+        run_distill(wider, teacher_from_run(teacher), data)
+    result = cli("distill", "smoke", "--teacher", "/nonexistent/export")
+    assert result.returncode == 2 and "config.json" in result.stderr
