@@ -145,14 +145,10 @@ def student_baseline(
     """The distillation student trained from scratch on the same tokens in the same order (same seed)."""
     from training.pretrain import run_pretrain
 
-    spec = recipe.pretrain_spec().model_copy(
-        update={
-            "name": f"{recipe.name}-student",
-            "model": recipe.student(),
-            "optim": recipe.distill.optim,
-            "train": recipe.distill.train,
-            "probe": None,
-        }
+    base = recipe.pretrain_spec()
+    changes = {"name": f"{recipe.name}-student", "model": recipe.student(), "probe": None}
+    spec = type(base).model_validate(
+        {**dict(base), **changes, "optim": recipe.distill.optim, "train": recipe.distill.train}
     )
     return run_pretrain(spec, data, progress=progress)
 
@@ -339,7 +335,7 @@ def pipeline(
         run.publish("fit", recipe, {**summary["rung"], "chosen size": note}, result.mlflow_run_id)
         record_fit(recipe, law, fit_dir(result, budget), budget)
     models, names, heldout, pairs = [base], ["pretrain"], None, None
-    tuned = base
+    candidate, against = base, None  # what the registry gates, and the report column it is gated against
     if options.finetune:
         examples = timed(times, "sft_data", run, sft_data, final, base)
         progress = run.steps("finetune", final.finetune.train.max_steps)
@@ -347,22 +343,25 @@ def pipeline(
         run.publish("finetune", recipe, tuned.summary, tuned.mlflow_run_id)
         models.append(tuned)
         names.append(tuned.kind)
+        candidate, against = tuned, "pretrain"
         heldout = str(Path(examples.path) / "heldout.jsonl")
         outputs |= {
             "fine-tuned model": tuned.hf_export,
             **({"LoRA adapter": tuned.adapter} if tuned.adapter else {}),
         }
-    candidate = tuned
-    if options.dpo:
-        pair_data = timed(times, "preference_data", run, preference_data, final, tuned)
-        reference = timed(times, "reference_logps", run, reference_logps, final, tuned, pair_data)
+    if (
+        options.dpo
+    ):  # from the fine-tuned model (or the pretrained one without fine-tuning), which it is gated on
+        pair_data = timed(times, "preference_data", run, preference_data, final, candidate)
+        reference = timed(times, "reference_logps", run, reference_logps, final, candidate, pair_data)
         progress = run.steps("dpo", final.dpo.train.max_steps)
-        candidate = timed(times, "dpo", run, dpo, final, tuned, pair_data, reference, progress=progress)
-        run.publish("dpo", recipe, {**pair_data.counts, **candidate.summary}, candidate.mlflow_run_id)
-        models.append(candidate)
-        names.append(candidate.kind)
+        tuned = timed(times, "dpo", run, dpo, final, candidate, pair_data, reference, progress=progress)
+        run.publish("dpo", recipe, {**pair_data.counts, **tuned.summary}, tuned.mlflow_run_id)
+        models.append(tuned)
+        names.append(tuned.kind)
+        candidate, against = tuned, names[-2]
         pairs = str(Path(pair_data.path) / "heldout.jsonl")
-        outputs["preference-tuned model"] = candidate.hf_export
+        outputs["preference-tuned model"] = tuned.hf_export
     if options.distill:
         from training.distill import teacher_from_run
 
@@ -379,20 +378,8 @@ def pipeline(
     summary |= {"eval": eval_headline(report), "report": str(Path(report.path) / "report.md")}
     outputs["eval report"] = summary["report"]
     if options.register_model:
-        chain = [m.path for m in models]
-        base_name = names[chain.index(candidate.base_run_dir)] if candidate is not base else None
-        version = timed(
-            times,
-            "register",
-            run,
-            register,
-            final,
-            candidate,
-            report,
-            base_name,
-            law,
-            names[models.index(candidate)],
-        )
+        name = names[models.index(candidate)]
+        version = timed(times, "register", run, register, final, candidate, report, against, law, name)
         summary["registered"] = version.model_dump()
         numbers = {"model": version.name, "version": version.version, "alias": version.alias, **version.gates}
         run.publish("register", recipe, numbers)

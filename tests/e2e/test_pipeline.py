@@ -80,7 +80,12 @@ def served_run(services, tmp_path_factory):
             flow_run = run_deployment(
                 "pipeline/lmforge",
                 parameters={
-                    "params": {"recipe": "smoke", "overrides": smoke_overrides(out, *EVAL, *MULTI_HORIZON)}
+                    "params": {
+                        "recipe": "smoke",
+                        "overrides": smoke_overrides(out, *EVAL, *MULTI_HORIZON),
+                        "dpo": True,
+                        "distill": True,
+                    }
                 },
                 timeout=1200,
             )
@@ -106,12 +111,22 @@ def test_mlflow_holds_the_lineage(served_run):
     parent = parents[0]
     assert parent.info.status == "FINISHED" and parent.info.run_name == "pipeline-smoke"
     assert parent.data.tags["prefect.flow_run_id"] == str(flow_run.id)
-    children = {
-        r.data.tags.get("lmforge.stage"): r
-        for r in runs
-        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+    nested = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    children = {r.data.tags.get("lmforge.stage"): r for r in nested}
+    # two pretraining runs: the rung, and the distillation student trained from scratch
+    (children["pretrain"],) = [r for r in nested if r.info.run_name == "pretrain-smoke-optimal"]
+    assert any(r.info.run_name == "pretrain-smoke-optimal-student" for r in nested)
+    assert set(children) >= {
+        "tokenize",
+        "sweep",
+        "fit",
+        "pretrain",
+        "sft",
+        "dpo",
+        "distill",
+        "eval",
+        "register",
     }
-    assert set(children) >= {"tokenize", "sweep", "fit", "pretrain", "sft", "eval", "register"}
     for stage, child in children.items():  # every stage run says which code and which config made it
         assert (
             len(child.data.tags["lmforge.git"]) in (40, 7) or child.data.tags["lmforge.git"] == "unknown"
@@ -167,7 +182,9 @@ def test_mlflow_holds_the_lineage(served_run):
     version = client.get_model_version("lmforge-smoke", found.version)
     assert version.tags["gate.export_verified"] == "true"
     gates = {k: v for k, v in version.tags.items() if k.startswith("gate.")}
-    declared = {f"gate.{g.metric}" for g in load_recipe("smoke").eval.gates}
+    declared = {
+        f"gate.{g.metric}" for g in load_recipe("smoke").eval.dpo_gates
+    }  # the DPO model is the candidate
     assert set(gates) | {
         f"gate.{m}" for m in version.tags.get("lmforge.gates_skipped", "").split(",") if m
     } == {
@@ -177,7 +194,19 @@ def test_mlflow_holds_the_lineage(served_run):
     assert ("candidate" in version.aliases) == all(
         v == "true" for v in gates.values()
     )  # alias iff all passed
-    assert Path(version.tags["lmforge.run_dir"]).parent.name == "sft"
+    assert Path(version.tags["lmforge.run_dir"]).parent.name == "dpo"
+    # the report puts the fine-tuned and preference-tuned models, and the distilled student and its
+    # from-scratch twin, side by side
+    (report_json,) = out.glob("eval/*/report.json")
+    report = json.loads(report_json.read_text())
+    assert list(report["models"]) == ["pretrain", "lora", "dpo-full", "student-distilled", "student-scratch"]
+    accuracy = report["metrics"]["preference-heldout/accuracy"]
+    assert accuracy["dpo-full"] > accuracy["lora"]
+    assert all(
+        report["metrics"]["heldout/all/bits_per_byte"][m] > 0
+        for m in ("student-distilled", "student-scratch")
+    )
+    assert children["dpo"].data.tags["lmforge.base_run_id"] == children["sft"].info.run_id
     assert version.tags["scaling.prediction_held"] in ("true", "false")
     mlflow.set_tracking_uri(ml.url)
     model = mlflow.pyfunc.load_model(f"models:/lmforge-smoke/{version.version}")
@@ -203,6 +232,8 @@ def test_stage_artifacts_are_published_to_prefect(served_run):
         "smoke-sweep",
         "smoke-fit",
         "smoke-pretrain",
+        "smoke-dpo",
+        "smoke-distill",
         "smoke-evaluate",
         "smoke-register",
     }
