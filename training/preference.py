@@ -115,23 +115,30 @@ class ReferenceLogps(Artifact):
     def array(self, split: str) -> np.ndarray:
         return np.load(Path(self.path) / f"{split}.npy")
 
+    def damage(self) -> str | None:
+        for split, rows in self.counts.items():
+            path = Path(self.path) / f"{split}.npy"
+            try:
+                shape = np.load(path, mmap_mode="r").shape
+            except (OSError, ValueError):
+                return f"{path} is missing or unreadable"
+            if shape != (rows, 2):
+                return f"{path} holds {shape}, expected ({rows}, 2)"
+        return None
+
 
 @torch.no_grad()
-def pair_logps(
-    model: Transformer, loader: PreferenceLoader, batch_size: int = 16
-) -> tuple[np.ndarray, np.ndarray]:
-    """Every pair's (chosen, rejected) summed log-probabilities under `model`, (pairs, 2), and the response
-    lengths, in the split's stored order (fp32, on the model's device)."""
+def pair_logps(model: Transformer, loader: PreferenceLoader, batch_size: int = 16) -> np.ndarray:
+    """Every pair's (chosen, rejected) summed log-probabilities under `model`, (pairs, 2), in the split's stored
+    order (in the model's dtype, on its device)."""
     device = next(model.parameters()).device
-    logps, lengths = [], []
+    logps = []
     model.eval()
     for start in range(0, len(loader), batch_size):
         batch = loader.batch_of(np.arange(start, min(start + batch_size, len(loader))))
-        out = model(batch.inputs.to(device))
-        lp, n = sequence_logps(out.logits, batch.targets.to(device))
+        lp, _ = sequence_logps(model(batch.inputs.to(device)).logits, batch.targets.to(device))
         logps.append(torch.stack(lp.chunk(2), dim=1).cpu())
-        lengths.append(torch.stack(n.chunk(2), dim=1).cpu())
-    return torch.cat(logps).numpy(), torch.cat(lengths).numpy()
+    return torch.cat(logps).numpy()
 
 
 def run_reference_logps(
@@ -143,12 +150,11 @@ def run_reference_logps(
     )
 
     def build(out: Path, _key: str) -> ReferenceLogps:
-        model = load_export(reference.hf_export)
+        model = load_export(reference.hf_export).to("cuda" if torch.cuda.is_available() else "cpu")
         counts = {}
         for split in ("train", "heldout"):
-            logps, _ = pair_logps(model, PreferenceLoader(data, split, batch_size=1, shuffle=False))
-            buffer = _npy_bytes(logps.astype(np.float32))
-            atomic_write_bytes(out / f"{split}.npy", buffer)
+            logps = pair_logps(model, PreferenceLoader(data, split, batch_size=1, shuffle=False))
+            atomic_write_bytes(out / f"{split}.npy", _npy_bytes(logps.astype(np.float32)))
             counts[split] = len(logps)
         return ReferenceLogps(
             path=str(out.resolve()),
@@ -173,7 +179,7 @@ def heldout_scores(
     """Held-out preference numbers of `model`: accuracy (log π(chosen) > log π(rejected)), the mean log-prob
     margin, and against the reference TRL's reward accuracy and margin β·(Δ log π − Δ log π_ref)."""
     loader = PreferenceLoader(data, "heldout", batch_size=1, shuffle=False)
-    logps, _ = pair_logps(model, loader)
+    logps = pair_logps(model, loader)
     logps, reference = logps[:limit].astype(np.float64), reference[:limit].astype(np.float64)
     rewards = beta * (logps - reference)
     return {

@@ -101,7 +101,11 @@ def test_dpo_resumes_bit_exactly_after_sigkill(dpo_run, tmp_path: Path) -> None:
 
 
 def test_dpo_bad_input_is_refused(dpo_run, smoke_base, tmp_path: Path) -> None:
-    recipe, tuned, pairs, _, _ = dpo_run
+    recipe, tuned, pairs, reference, _ = dpo_run
+    cached = Path(reference.path) / "heldout.npy"
+    good = cached.read_bytes()
+    cached.write_bytes(good[:60])  # a torn cache file is rebuilt, never read as finished
+    assert reference_logps(recipe, tuned, pairs).path == reference.path and cached.read_bytes() == good
     _, pretrained = smoke_base
     foreign = reference_logps(
         recipe, pretrained, pairs

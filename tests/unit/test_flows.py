@@ -32,8 +32,14 @@ def test_pipeline_parameters_render_as_a_form():
 
     schema = parameter_schema(FLOWS["pipeline"].fn)
     props = schema.model_dump()["definitions"]["PipelineParams"]["properties"]
-    assert {"recipe", "overrides", "size", "budget", "finetune", "register_model"} <= set(props)
+    assert {"recipe", "overrides", "size", "budget", "finetune", "dpo", "distill", "register_model"} <= set(
+        props
+    )
     assert props["size"]["enum"] == ["fit", "recipe"]
+    assert "DPO" in props["dpo"]["title"] and "student" in props["distill"]["description"]  # described fields
+    for name in ("dpo", "distill"):  # each optional stage is also a flow of its own (and so a deployment)
+        params = parameter_schema(FLOWS[name].fn).model_dump()["definitions"]
+        assert {"recipe", "overrides"} <= set(next(iter(params.values()))["properties"])
 
 
 def test_invalid_pipeline_parameters_are_refused():
@@ -73,5 +79,10 @@ def test_pipeline_flags_reach_the_flow_and_unknown_parameters_are_refused():
     params = pipeline_params(args)
     assert (params.register_model, params.finetune, params.size) == (False, False, "recipe")
     assert params.options().register_model is False
+    assert (params.dpo, params.distill) == (False, False)  # optional stages are off unless asked for
+    options = pipeline_params(
+        build_parser().parse_args(["pipeline", "smoke", "--dpo", "--distill"])
+    ).options()
+    assert (options.dpo, options.distill, options.finetune) == (True, True, True)
     with pytest.raises(ValidationError, match="register"):
         PipelineParams(recipe="smoke", register=False)  # a misspelt flag is an error, not a silent default
