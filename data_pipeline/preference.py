@@ -28,7 +28,7 @@ from torch import Tensor
 
 from data_pipeline.config import ROLES, SPECIAL_TOKENS, PreferenceConfig
 from data_pipeline.loader import IGNORE_INDEX, EpochSampler, SampledLoader
-from data_pipeline.sft import Messages, render
+from data_pipeline.sft import Messages, render, write_rows
 from data_pipeline.sources import DataError, split_of
 from data_pipeline.tokenizer import TokenizerRef
 from infra.steps import Artifact, Step, run_step
@@ -219,15 +219,8 @@ def _encode_pairs(
             f"({len(pairs)} read, {counts}); add pairs or lower data.preference.heldout_fraction's denominator"
         )
     for split, rows in splits.items():
-        columns = [
-            pa.array([row[i] for row in rows], type=pa.list_(t))
-            for i, t in enumerate([pa.int32(), pa.uint8()] * 2)
-        ]
-        batch = pa.record_batch(columns, names=["chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"])
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_file(sink, batch.schema) as writer:
-            writer.write_batch(batch)
-        atomic_write_bytes(out / f"{split}.arrow", sink.getvalue().to_pybytes())
+        names = ["chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"]
+        write_rows(out / f"{split}.arrow", rows, names)
     atomic_write_bytes(
         out / "heldout.jsonl", "".join(json.dumps(p.as_json()) + "\n" for p in heldout).encode()
     )

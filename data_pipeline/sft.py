@@ -157,11 +157,13 @@ class SFTManifest(Artifact):
         return cls.model_validate_json(path.read_text())
 
 
-def _write_split(path: Path, encoded: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    ids = pa.array([e[0] for e in encoded], type=pa.list_(pa.int32()))
-    mask = pa.array([e[1] for e in encoded], type=pa.list_(pa.uint8()))
+def write_rows(path: Path, rows: list[list[np.ndarray]], names: list[str]) -> None:
+    """Rows of (ids, mask, ids, mask, ...) arrays as one Arrow IPC record batch of list columns `names`,
+    written atomically (int32 ids, uint8 masks)."""
+    types = [pa.int32(), pa.uint8()] * (len(names) // 2)
+    columns = [pa.array([row[i] for row in rows], type=pa.list_(t)) for i, t in enumerate(types)]
+    batch = pa.record_batch(columns, names=names)
     sink = pa.BufferOutputStream()
-    batch = pa.record_batch([ids, mask], names=["input_ids", "loss_mask"])
     with pa.ipc.new_file(sink, batch.schema) as writer:
         writer.write_batch(batch)
     atomic_write_bytes(path, sink.getvalue().to_pybytes())
@@ -215,7 +217,7 @@ def _encode_sft(
             f"SFT source {cfg.source!r}: too few examples for a train and a held-out split ({counts})"
         )
     for split, encoded in splits.items():
-        _write_split(out / f"{split}.arrow", encoded)
+        write_rows(out / f"{split}.arrow", [list(e) for e in encoded], ["input_ids", "loss_mask"])
     lines = "".join(json.dumps({"messages": m}) + "\n" for m in heldout_messages)
     atomic_write_bytes(out / "heldout.jsonl", lines.encode())
     return SFTManifest(

@@ -75,6 +75,20 @@ def build_model(base: TrainedModel, spec: SFTSpec) -> nn.Module:
     return apply_lora(model, spec.lora) if spec.method == "lora" else model
 
 
+def check_examples(base: TrainedModel, data: Artifact, seq_len: int, what: str, section: str) -> None:
+    """Encoded examples (SFT or preference pairs) must use the base's tokenizer and the stage's sequence length."""
+    if base.tokenizer_digest != data.tokenizer_digest:
+        raise DataError(
+            f"the base model was trained with tokenizer {base.tokenizer_digest[:16]}... but the {what} {data.path} "
+            f"was made with {data.tokenizer_digest[:16]}...; rebuild the {what} with the base's tokenizer"
+        )
+    if data.seq_len != seq_len:
+        raise DataError(
+            f"the {what} has seq_len={data.seq_len}, {section}.train.seq_len={seq_len}; rebuild it with the "
+            f"{section} sequence length"
+        )
+
+
 class SFT(TrainingStage):
     name = "sft"
     version = 2
@@ -82,16 +96,7 @@ class SFT(TrainingStage):
     def check(self, spec: SFTSpec, inputs: Mapping[str, Artifact]) -> None:
         base, data = inputs["base"], inputs["data"]
         assert isinstance(base, TrainedModel) and isinstance(data, SFTManifest)
-        if base.tokenizer_digest != data.tokenizer_digest:
-            raise DataError(
-                f"the base model was trained with tokenizer {base.tokenizer_digest[:16]}... but the SFT data "
-                f"{data.path} was made with {data.tokenizer_digest[:16]}...; rebuild the SFT data with the base's tokenizer"
-            )
-        if data.seq_len != spec.train.seq_len:
-            raise DataError(
-                f"SFT data has seq_len={data.seq_len}, finetune.train.seq_len={spec.train.seq_len}; rebuild it "
-                "with the fine-tuning sequence length"
-            )
+        check_examples(base, data, spec.train.seq_len, "SFT data", "finetune")
 
     def run_name(self, spec: SFTSpec) -> str:
         return f"{spec.name}-{spec.method}"

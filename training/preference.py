@@ -30,7 +30,7 @@ from infra.storage import atomic_write_bytes, atomic_write_json
 from infra.tracking import Tracker
 from training.config import LoraSettings, PreferenceLoss, TrainingSpec
 from training.engine import Engine
-from training.finetune import export_tuned
+from training.finetune import check_examples, export_tuned
 from training.hf_interop import load_export, load_hf_config
 from training.loop import Batches
 from training.lora import apply_lora
@@ -217,16 +217,7 @@ class Preference(TrainingStage):
     def check(self, spec: DPOSpec, inputs: Mapping[str, Artifact]) -> None:
         base, data, reference = inputs["base"], inputs["data"], inputs["reference"]
         assert isinstance(data, PreferenceManifest) and isinstance(reference, ReferenceLogps)
-        if base.tokenizer_digest != data.tokenizer_digest:
-            raise DataError(
-                f"the base model uses tokenizer {base.tokenizer_digest[:16]}... but the preference pairs {data.path} "
-                f"were made with {data.tokenizer_digest[:16]}...; rebuild the pairs with the base's tokenizer"
-            )
-        if data.seq_len != spec.train.seq_len:
-            raise DataError(
-                f"preference pairs have seq_len={data.seq_len}, dpo.train.seq_len={spec.train.seq_len}; rebuild them "
-                "with the preference-tuning sequence length"
-            )
+        check_examples(base, data, spec.train.seq_len, "preference pairs", "dpo")
         if reference.model_digest != base.digest():
             raise DataError(
                 f"the reference log-probabilities {reference.path} were computed with {reference.model_run}, not with "
