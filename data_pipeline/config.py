@@ -56,7 +56,7 @@ class PreferenceConfig(BaseModel):
     source: str = "derived"
     # how derived pairs get their rejected side; `shuffled` (the answer's words in another order) teaches even a
     # small model something that carries over to held-out questions, another question's answer mostly does not
-    rejected: Literal["other_answer", "shuffled"] = "shuffled"
+    rejected: Literal["other_answer", "shuffled", "swapped"] = "shuffled"
     max_pairs: PositiveInt | None = 2000
     heldout_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
     seed: int = 0

@@ -69,17 +69,22 @@ class PairBatch(NamedTuple):
 
 def derive_pairs(conversations: list[Messages], how: str, seed: int) -> list[Pair]:
     """Pairs from SFT conversations: chosen = the final answer; rejected = the answer of the conversation a fixed
-    random offset away (`other_answer`) or the answer's words in a seeded random order (`shuffled`)."""
+    random offset away (`other_answer`), the answer's words in a seeded random order (`shuffled`), or the answer
+    with two of its words swapped (`swapped`)."""
     rng = np.random.default_rng(seed)
     answers = [c[-1]["content"] for c in conversations]
     offset = int(rng.integers(1, len(answers))) if len(answers) > 1 else 0
     pairs = []
     for i, conversation in enumerate(conversations):
+        words = answers[i].split()
         if how == "other_answer":
             rejected = answers[(i + offset) % len(answers)]
-        else:
-            words = answers[i].split()
+        elif how == "shuffled":
             rejected = " ".join(words[j] for j in rng.permutation(len(words)))
+        else:  # swapped: two words trade places, a subtler corruption
+            a, b = rng.choice(len(words), size=2, replace=False) if len(words) > 1 else (0, 0)
+            words[a], words[b] = words[b], words[a]
+            rejected = " ".join(words)
         pairs.append(Pair(conversation[:-1], answers[i], rejected))
     return pairs
 

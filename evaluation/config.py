@@ -37,7 +37,8 @@ DEFAULT_GATES = (
     Gate(metric="stdlib-import-mc/acc", tolerance=0.10),  # or the downstream task
 )
 DEFAULT_DPO_GATES = (  # a preference-tuned model against the model it started from
-    Gate(metric="preference-heldout/accuracy", improve=True),  # it prefers the chosen answers more often
+    Gate(metric="preference-heldout/logp_margin", improve=True),  # it prefers the chosen answers more strongly
+    Gate(metric="preference-heldout/accuracy"),  # and no less often
     Gate(metric="sft-heldout-em/response_loss", tolerance=0.05),  # without unlearning the answers
     Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # or the pretraining text
 )

@@ -218,10 +218,11 @@ def test_gates_compare_in_each_metrics_direction_and_name_what_was_not_measured(
         "checked export_verified pass, heldout/all/bits_per_byte FAIL, stdlib-import-mc/acc pass; "
         "not checked (not measured): sft-heldout-em/response_loss"
     )
-    # a preference-tuned candidate is gated on preference accuracy (must improve) and response loss (5%)
+    # a preference-tuned candidate: the log-prob margin must grow, accuracy must not fall, response loss within 5%
     report = EvalReport.model_construct(
         metrics={
             "preference-heldout/accuracy": {"lora": 0.80, "dpo-full": 0.90},
+            "preference-heldout/logp_margin": {"lora": 10.0, "dpo-full": 9.0},
             "sft-heldout-em/response_loss": {"lora": 2.0, "dpo-full": 2.12},
             "heldout/all/bits_per_byte": {"lora": 2.0, "dpo-full": 2.01},
         }
@@ -230,6 +231,7 @@ def test_gates_compare_in_each_metrics_direction_and_name_what_was_not_measured(
     gates, skipped = gate_results(report, "dpo-full", "lora", dpo, cfg)
     assert gates == {
         "export_verified": True,
+        "preference-heldout/logp_margin": False,  # a margin must grow
         "preference-heldout/accuracy": True,
         "sft-heldout-em/response_loss": False,  # 6% worse
         "heldout/all/bits_per_byte": True,

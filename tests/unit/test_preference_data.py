@@ -55,6 +55,9 @@ def test_derived_pairs_keep_the_answer_and_corrupt_the_rejected_side() -> None:
     assert all(sorted(p.rejected.split()) == sorted(p.chosen.split()) for p in shuffled)
     assert sum(p.rejected != p.chosen for p in shuffled) >= 35
     assert shuffled[0].prompt == CONVERSATIONS[0][:-1]
+    for pair in derive_pairs(CONVERSATIONS, "swapped", seed=3):  # exactly two words trade places
+        chosen, rejected = pair.chosen.split(), pair.rejected.split()
+        assert sorted(chosen) == sorted(rejected) and sum(a != b for a, b in zip(chosen, rejected)) in (0, 2)
 
 
 def test_the_mask_covers_the_final_answer_only(tok: TokenizerRef) -> None:
