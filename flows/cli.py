@@ -231,7 +231,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def print_tuned(ref: Any) -> None:
-    print(f"run        {ref.path} ({ref.kind}, from {ref.base_run_dir})")
+    origin = f", from {ref.base_run_dir}" if ref.base_run_dir else ""
+    print(f"run        {ref.path} ({ref.kind}{origin})")
     for key, value in ref.summary.items():
         print(f"  {key:<36} {value:.4f}")
     if ref.adapter:
