@@ -17,6 +17,7 @@ from data_pipeline.config import PreferenceConfig
 from data_pipeline.loader import IGNORE_INDEX
 from data_pipeline.preference import (
     Pair,
+    PairBatch,
     PreferenceLoader,
     derive_pairs,
     encode_side,
@@ -57,7 +58,9 @@ def test_derived_pairs_keep_the_answer_and_corrupt_the_rejected_side() -> None:
     assert shuffled[0].prompt == CONVERSATIONS[0][:-1]
     for pair in derive_pairs(CONVERSATIONS, "swapped", seed=3):  # exactly two words trade places
         chosen, rejected = pair.chosen.split(), pair.rejected.split()
-        assert sorted(chosen) == sorted(rejected) and sum(a != b for a, b in zip(chosen, rejected)) in (0, 2)
+        assert sorted(chosen) == sorted(rejected) and sum(
+            a != b for a, b in zip(chosen, rejected, strict=True)
+        ) in (0, 2)
 
 
 def test_the_mask_covers_the_final_answer_only(tok: TokenizerRef) -> None:
@@ -175,3 +178,33 @@ def test_sequence_logps_sum_over_the_answer(generator: torch.Generator) -> None:
     assert torch.allclose(logps[0], log_softmax[0, 1, 1] + log_softmax[0, 2, 2])
     assert torch.allclose(logps[1], sum(log_softmax[1, t, int(targets[1, t])] for t in range(5)))
     assert lengths.tolist() == [2, 5]
+
+
+def test_a_non_finite_preference_loss_is_skipped_by_the_loops_guard(generator: torch.Generator) -> None:
+    """A pair batch whose reference log-probabilities are not finite gives a non-finite DPO loss: the loop's
+    guard skips the step (learning rate 0, weights untouched), as for any objective."""
+    from training.engine import PlainEngine
+    from training.loop import optimizer_step
+    from training.model import ModelConfig, Transformer
+    from training.preference import PreferenceObjective
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64, max_seq_len=16)
+    model = Transformer(cfg, seed=0)
+    engine = PlainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), 1, 0.0)
+    inputs = torch.randint(0, 64, (4, 12), generator=generator)
+    targets = inputs.roll(-1, 1)
+    targets[:, :5] = IGNORE_INDEX
+
+    class Once:
+        def __init__(self, reference: torch.Tensor) -> None:
+            self.batch = PairBatch(inputs, targets, reference)
+
+        def next_batch(self) -> PairBatch:
+            return self.batch
+
+    objective = PreferenceObjective(PreferenceLoss())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = optimizer_step(engine, Once(torch.tensor([[float("nan"), 0.0], [0.0, 0.0]])), objective, 0.1, 1)
+    assert bad.loss is None and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    good = optimizer_step(engine, Once(torch.zeros(2, 2)), objective, 0.1, 1)
+    assert good.loss is not None and math.isfinite(good.loss) and "rewards/margins" in good.metrics
