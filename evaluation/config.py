@@ -37,7 +37,9 @@ DEFAULT_GATES = (
     Gate(metric="stdlib-import-mc/acc", tolerance=0.10),  # or the downstream task
 )
 DEFAULT_DPO_GATES = (  # a preference-tuned model against the model it started from
-    Gate(metric="preference-heldout/logp_margin", improve=True),  # it prefers the chosen answers more strongly
+    Gate(
+        metric="preference-heldout/logp_margin", improve=True
+    ),  # it prefers the chosen answers more strongly
     Gate(metric="preference-heldout/accuracy"),  # and no less often
     Gate(metric="sft-heldout-em/response_loss", tolerance=0.05),  # without unlearning the answers
     Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # or the pretraining text
@@ -65,7 +67,9 @@ class EvalConfig(BaseModel):
     register_name: str | None = None  # default "lmforge-<recipe name>"
     alias: str = "candidate"
     gates: list[Gate] = Field(default_factory=lambda: list(DEFAULT_GATES))  # candidate vs its base
-    dpo_gates: list[Gate] = Field(default_factory=lambda: list(DEFAULT_DPO_GATES))  # a DPO candidate vs its base
+    dpo_gates: list[Gate] = Field(
+        default_factory=lambda: list(DEFAULT_DPO_GATES)
+    )  # a DPO candidate vs its base
 
     def gates_for(self, kind: str) -> list[Gate]:
         return self.dpo_gates if kind.startswith("dpo") else self.gates
