@@ -169,7 +169,7 @@ def test_mlflow_holds_the_lineage(served_run):
     alpha, beta = law["alpha"], law["beta"]
     g = (alpha * law["A"] / (beta * law["B"])) ** (1 / (alpha + beta))
     assert optimal["n_opt"] == pytest.approx(g * (optimal["budget"] / 6) ** (beta / (alpha + beta)), rel=1e-9)
-    (rung_dir,) = out.glob("pretrain/smoke-optimal-*")
+    (rung_dir,) = [d for d in out.glob("pretrain/smoke-optimal-*") if "-student-" not in d.name]
     spec = json.loads((rung_dir / "spec.json").read_text())
     assert count_n(ModelConfig(**spec["model"]), fit["param_count"]) == rung["n"]
     train = spec["train"]
