@@ -221,7 +221,8 @@ def _encode_pairs(
     if not splits["train"] or not splits["heldout"]:
         raise DataError(
             f"preference source {cfg.source!r}: too few usable pairs for a train and a held-out split "
-            f"({len(pairs)} read, {counts}); add pairs or lower data.preference.heldout_fraction's denominator"
+            f"({len(pairs)} read, {counts}); add pairs, or change data.preference.heldout_fraction so both splits "
+            "get some"
         )
     for split, rows in splits.items():
         names = ["chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"]

@@ -28,7 +28,7 @@ from data_pipeline.shards import DatasetManifest
 from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import describe
 from infra.steps import Artifact
-from infra.storage import digest_of, sha256_file
+from infra.storage import MANIFEST, digest_of, sha256_file
 from infra.tracking import Tracker
 from training.config import TrainingSpec, check_context
 from training.engine import Engine
@@ -192,6 +192,9 @@ class Distill(TrainingStage):
             "lmforge.teacher_run_id": str(teacher.mlflow_run_id),
             "lmforge.data_digest": inputs["data"].digest(),
         }
+
+    def log_inputs(self, inputs: Mapping[str, Artifact], tracker: Tracker) -> None:
+        tracker.log_artifact(Path(inputs["data"].path) / MANIFEST, "data")
 
     def model_config(self, job: TrainingJob) -> ModelConfig:
         return job.spec.model

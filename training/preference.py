@@ -26,7 +26,7 @@ from data_pipeline.loader import IGNORE_INDEX, SampledLoader
 from data_pipeline.preference import PairBatch, PreferenceLoader, PreferenceManifest
 from data_pipeline.sources import DataError
 from infra.steps import Artifact, Step, run_step
-from infra.storage import atomic_write_bytes, atomic_write_json
+from infra.storage import MANIFEST, atomic_write_bytes, atomic_write_json
 from infra.tracking import Tracker
 from training.config import LoraSettings, PreferenceLoss, TrainingSpec
 from training.engine import Engine
@@ -247,7 +247,7 @@ class Preference(TrainingStage):
         }
 
     def log_inputs(self, inputs: Mapping[str, Artifact], tracker: Tracker) -> None:
-        tracker.log_artifact(Path(inputs["data"].path) / "manifest.json", "data")
+        tracker.log_artifact(Path(inputs["data"].path) / MANIFEST, "data")
 
     def model_config(self, job: TrainingJob) -> ModelConfig:
         return load_hf_config(job.inputs["base"].hf_export)

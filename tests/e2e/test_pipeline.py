@@ -178,7 +178,11 @@ def test_mlflow_holds_the_lineage(served_run):
     sft_artifacts = {a.path for a in client.list_artifacts(children["sft"].info.run_id)}
     assert {"adapter", "hf_export"} <= sft_artifacts
     dpo_artifacts = {a.path for a in client.list_artifacts(children["dpo"].info.run_id)}
-    assert {"data", "hf_export", "eval_report"} <= dpo_artifacts  # the registered model's run holds the report
+    assert {
+        "data",
+        "hf_export",
+        "eval_report",
+    } <= dpo_artifacts  # the registered model's run holds the report
     assert "eval/report.md" in {a.path for a in client.list_artifacts(children["eval"].info.run_id, "eval")}
     (found,) = client.search_model_versions("name='lmforge-smoke'")
     version = client.get_model_version("lmforge-smoke", found.version)
