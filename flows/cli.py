@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress
 
     from flows.runner import StepProgress, TrialProgress
+    from training.stage import TrainedModel
 
 
 def human_count(n: float) -> str:
@@ -230,7 +231,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_tuned(ref: Any) -> None:
+def print_tuned(ref: TrainedModel) -> None:
+    """A tuned run's directory, origin, headline numbers, adapter and export."""
     origin = f", from {ref.base_run_dir}" if ref.base_run_dir else ""
     print(f"run        {ref.path} ({ref.kind}{origin})")
     for key, value in ref.summary.items():
