@@ -96,3 +96,29 @@ def test_rank_is_chosen_by_retained_energy_and_bounded(generator: torch.Generato
     assert 1 - kept.discarded.double().square().sum() / total >= 0.9
     with pytest.raises(ValueError, match=r"fc: rank 5 is outside \[1, 4\]"):
         factorize(w, rank=5, name="fc")
+
+
+def test_model_level_hessians_and_quantization(generator: torch.Generator) -> None:
+    """Hooks collect each block linear's inputs (q_proj sees the normed hidden states); quantization replaces
+    exactly those layers' weights (LM head and embeddings stay), and GPTQ asks for calibration first."""
+    from training.compress import layer_hessians, linear_layers, quantize_model
+    from training.model import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=64, max_seq_len=16)
+    model = Transformer(cfg, seed=0)
+    tokens = [torch.randint(0, 64, (3, 16), generator=generator) for _ in range(2)]
+    layers = linear_layers(model)
+    assert len(layers) == 14 and "lm_head" not in layers
+    hs = layer_hessians(model, tokens)
+    with torch.no_grad():
+        normed = torch.cat(
+            [model.model.layers[0].input_layernorm(model.model.embed_tokens(t)) for t in tokens]
+        )
+    x = normed.reshape(-1, 32).double()
+    torch.testing.assert_close(hs["model.layers.0.self_attn.q_proj"], 2 * x.T @ x / x.shape[0])
+    head = model.lm_head.weight.clone()
+    with pytest.raises(ValueError, match="GPTQ needs calibration"):
+        quantize_model(model, "gptq", 4, 16)
+    results = quantize_model(model, "gptq", 4, 16, hs)
+    assert set(results) == set(layers) and torch.equal(model.lm_head.weight, head)
+    assert all(torch.equal(layers[n].weight, q.weight) for n, q in results.items())
