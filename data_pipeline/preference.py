@@ -28,7 +28,7 @@ from torch import Tensor
 
 from data_pipeline.config import ROLES, SPECIAL_TOKENS, PreferenceConfig
 from data_pipeline.loader import IGNORE_INDEX, EpochSampler, SampledLoader
-from data_pipeline.sft import Messages, render, write_rows
+from data_pipeline.sft import Messages, padded_rows, read_rows, render, write_rows
 from data_pipeline.sources import DataError, split_of
 from data_pipeline.tokenizer import TokenizerRef
 from infra.steps import Artifact, Step, run_step
@@ -265,7 +265,7 @@ class PreferenceLoader(SampledLoader):
         shuffle: bool = True,
         reference: np.ndarray | None = None,
     ) -> None:
-        table = pa.ipc.open_file(pa.memory_map(str(Path(manifest.path) / f"{split}.arrow"), "r")).get_batch(0)
+        table = read_rows(Path(manifest.path) / f"{split}.arrow")
         self.columns = {name: table.column(name) for name in table.schema.names}
         self.seq_len, self.pad_id = manifest.seq_len, manifest.pad_id
         if reference is not None and len(reference) != len(table):
@@ -279,20 +279,16 @@ class PreferenceLoader(SampledLoader):
     def __len__(self) -> int:
         return self.sampler.n_items
 
-    def _row(self, side: str, index: int) -> tuple[Tensor, Tensor]:
-        ids = torch.from_numpy(self.columns[f"{side}_ids"][index].values.to_numpy().astype(np.int64))
-        keep = torch.from_numpy(self.columns[f"{side}_mask"][index].values.to_numpy().astype(bool))
-        return ids, keep
+    def _row(self, side: str, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """One side's stored (ids, loss mask)."""
+        return (
+            self.columns[f"{side}_ids"][index].values.to_numpy(),
+            self.columns[f"{side}_mask"][index].values.to_numpy(),
+        )
 
     def batch_of(self, indices: np.ndarray) -> PairBatch:
-        rows = 2 * len(indices)
-        inputs = torch.full((rows, self.seq_len), self.pad_id, dtype=torch.int64)
-        targets = torch.full((rows, self.seq_len), IGNORE_INDEX, dtype=torch.int64)
-        for s, side in enumerate(SIDES):
-            for i, index in enumerate(indices):
-                ids, keep = self._row(side, int(index))
-                row, n = s * len(indices) + i, len(ids) - 1
-                inputs[row, :n] = ids[:-1]
-                targets[row, :n] = torch.where(keep[1:], ids[1:], IGNORE_INDEX)
+        rows = [
+            self._row(side, int(i)) for side in SIDES for i in indices
+        ]  # every chosen row, then every rejected
         reference = None if self.reference is None else torch.from_numpy(self.reference[indices])
-        return PairBatch(inputs, targets, reference)
+        return PairBatch(*padded_rows(rows, self.seq_len, self.pad_id), reference)

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 from tokenizers import Tokenizer
+from torch import Tensor
 
 from data_pipeline.config import END_OF_TURN, ROLES, SPECIAL_TOKENS, SFTConfig
 from data_pipeline.loader import IGNORE_INDEX, Batch, EpochSampler, SampledLoader
@@ -169,6 +170,24 @@ def write_rows(path: Path, rows: list[list[np.ndarray]], names: list[str]) -> No
     atomic_write_bytes(path, sink.getvalue().to_pybytes())
 
 
+def read_rows(path: Path) -> pa.RecordBatch:
+    """The record batch `write_rows` wrote, memory-mapped."""
+    return pa.ipc.open_file(pa.memory_map(str(path), "r")).get_batch(0)
+
+
+def padded_rows(rows: list[tuple[np.ndarray, np.ndarray]], width: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Next-token inputs and targets (len(rows), width) of (ids, 0/1 loss mask) rows: inputs padded with `pad_id`,
+    targets IGNORE_INDEX where the mask is 0 or on padding."""
+    inputs = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.int64)
+    for row, (ids, mask) in enumerate(rows):
+        tokens, keep = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(bool))
+        n = len(tokens) - 1
+        inputs[row, :n] = tokens[:-1]
+        targets[row, :n] = torch.where(keep[1:], tokens[1:], IGNORE_INDEX)
+    return inputs, targets
+
+
 def sft_examples(cfg: SFTConfig) -> list[Messages]:
     """The configured conversations: built-in stdlib questions or a JSONL file, at most `max_examples`."""
     if cfg.source == "builtin":
@@ -251,20 +270,12 @@ class SFTLoader(SampledLoader):
                 f"SFT data {manifest.path} was made with tokenizer {manifest.tokenizer_digest[:16]}..., the base model "
                 f"uses {tokenizer_digest[:16]}...; rebuild the SFT data with the base model's tokenizer"
             )
-        path = Path(manifest.path) / f"{split}.arrow"
-        batch = pa.ipc.open_file(pa.memory_map(str(path), "r")).get_batch(0)
+        batch = read_rows(Path(manifest.path) / f"{split}.arrow")
         self.ids, self.mask = batch.column("input_ids"), batch.column("loss_mask")
         self.seq_len, self.pad_id = manifest.seq_len, manifest.pad_id
         self.sampler = EpochSampler(len(self.ids), batch_size, rank, world_size, seed, shuffle)
 
     def batch_of(self, indices: np.ndarray) -> Batch:
         """Inputs padded with the pad id; targets IGNORE_INDEX where the loss mask is 0 or on padding."""
-        inputs = torch.full((len(indices), self.seq_len), self.pad_id, dtype=torch.int64)
-        targets = torch.full((len(indices), self.seq_len), IGNORE_INDEX, dtype=torch.int64)
-        for row, index in enumerate(indices):
-            ids = torch.from_numpy(self.ids[int(index)].values.to_numpy().astype(np.int64))
-            keep = torch.from_numpy(self.mask[int(index)].values.to_numpy().astype(bool))
-            n = len(ids) - 1
-            inputs[row, :n] = ids[:-1]
-            targets[row, :n] = torch.where(keep[1:], ids[1:], IGNORE_INDEX)
-        return Batch(inputs, targets)
+        rows = [(self.ids[int(i)].values.to_numpy(), self.mask[int(i)].values.to_numpy()) for i in indices]
+        return Batch(*padded_rows(rows, self.seq_len, self.pad_id))

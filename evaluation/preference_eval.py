@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from data_pipeline.loader import IGNORE_INDEX
 from data_pipeline.preference import Pair, encode_side, fit_to_context
+from data_pipeline.sft import padded_rows
 from evaluation.model_io import EvalModel
 from training.preference import sequence_logps
 
@@ -26,12 +26,7 @@ def preference_metrics(em: EvalModel, pairs: list[Pair], batch_size: int) -> dic
     for start in range(0, len(rows), batch_size):
         chunk = [side for pair in rows[start : start + batch_size] for side in pair]  # chosen, rejected, ...
         width = max(len(ids) for ids, _ in chunk) - 1
-        inputs = torch.full((len(chunk), width), em.tokenizer_ref.pad_id, dtype=torch.int64)
-        targets = torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.int64)
-        for row, (ids, mask) in enumerate(chunk):
-            ids_t, keep = torch.from_numpy(ids.astype("int64")), torch.from_numpy(mask.astype(bool))
-            inputs[row, : len(ids) - 1] = ids_t[:-1]
-            targets[row, : len(ids) - 1] = torch.where(keep[1:], ids_t[1:], IGNORE_INDEX)
+        inputs, targets = padded_rows(chunk, width, em.tokenizer_ref.pad_id)
         logps, _ = sequence_logps(em.model(inputs).logits, targets)
         margins.append(logps[0::2] - logps[1::2])
     margin = torch.cat(margins) if margins else torch.zeros(0)
