@@ -22,7 +22,7 @@ from infra.errors import UserError, expected_failure
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from flows.runner import StepProgress, TrialProgress
+    from flows.runner import ItemProgress, StepProgress, TrialProgress
     from training.stage import TrainedModel
 
 
@@ -149,6 +149,14 @@ class BarRunner(Direct):
 
         return report
 
+    def items(self, name: str, total: int) -> ItemProgress:
+        task = self.bar.add_task(name, total=total, status="")
+
+        def report(done: int, label: str) -> None:
+            self.bar.update(task, completed=done, status=label)
+
+        return report
+
 
 @contextmanager
 def bar_runner() -> Iterator[BarRunner]:
@@ -228,6 +236,22 @@ def cmd_distill(args: argparse.Namespace) -> int:
         print(
             f"baseline   {baseline.path} (the same student from scratch): val loss {baseline.final_val_loss:.4f}"
         )
+    return 0
+
+
+def cmd_compress(args: argparse.Namespace) -> int:
+    """Compression: quantized, low-rank and pruned variants of a run (given, or this recipe's fine-tuned model,
+    trained first if needed), each evaluated; prints the frontier table."""
+    from flows.stages import compressed, load_model
+
+    recipe = load_recipe(args.recipe, args.set)
+    base = load_model(args.base) if args.base else None
+    with bar_runner() as run:
+        variants, front = compressed(recipe, run, base)
+    print((Path(front.path) / "frontier.md").read_text())
+    print(f"variants   {variants.path}")
+    print(f"frontier   {front.path}/frontier.png")
+    print(f"mlflow run {front.mlflow_run_id}")
     return 0
 
 
@@ -356,6 +380,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_set_argument(dpo)
     dpo.set_defaults(handler=cmd_dpo)
+
+    compress = commands.add_parser(
+        "compress",
+        help="quantized (torchao, GPTQ), low-rank and pruned variants with a size-quality frontier",
+    )
+    compress.add_argument("recipe", help="recipe path or name in configs/")
+    compress.add_argument(
+        "--base",
+        help="a finished run directory (default: this recipe's fine-tuned model, trained if missing)",
+    )
+    add_set_argument(compress)
+    compress.set_defaults(handler=cmd_compress)
 
     distill = commands.add_parser(
         "distill", help="knowledge distillation of a teacher into a smaller student"

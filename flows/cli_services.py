@@ -59,6 +59,7 @@ def pipeline_params(args: argparse.Namespace) -> Any:
         finetune=not args.no_finetune,
         dpo=args.dpo,
         distill=args.distill,
+        compress=args.compress,
         register_model=not args.no_register,
     )
 
@@ -119,6 +120,13 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"\nRegistered: {reg['name']} v{reg['version']} (alias: {reg['alias'] or 'not set, a gate failed'})"
         )
         print(f"  gates: {describe_gates(reg['gates'], reg['skipped'])}")
+    if "compress" in summary:
+        print("\nCompression (size ratio, held-out bits/byte change):")
+        for name, value in summary["compress"].items():
+            print(f"  {name:<26} {value}")
+        if "registered_compressed" in summary:
+            reg = summary["registered_compressed"]
+            print(f"  registered {reg['name']} v{reg['version']} (alias: {reg['alias']})")
     if summary.get("outputs"):
         print("\nOutputs:")
         for what, where in summary["outputs"].items():
@@ -248,6 +256,11 @@ def add_service_commands(commands: Any, add_set_argument: Any) -> None:
         "--distill",
         action="store_true",
         help="distil the pretrained model into a student (the recipe's distill:)",
+    )
+    pipe.add_argument(
+        "--compress",
+        action="store_true",
+        help="compress the final model (the recipe's compress:) and measure the size-quality frontier",
     )
     pipe.add_argument("--no-register", action="store_true")
     add_set_argument(pipe)

@@ -1,5 +1,5 @@
 """The Prefect flows: `pipeline` (tokenize → sweep → fit → pretrain at the compute-optimal size → SFT/LoRA →
-evaluate → register) and one flow per stage. The DAG itself lives in `flows/stages.py`; here each stage call
+[DPO, distillation] → evaluate → register → [compress → frontier → register the smallest good variant]) and one flow per stage. The DAG itself lives in `flows/stages.py`; here each stage call
 becomes a Prefect task (retries on transient errors), and every stage publishes a markdown artifact.
 
 MLflow: one parent run per pipeline run, every stage nested under it (sweep trials under the sweep), tagged
@@ -96,6 +96,12 @@ class PipelineParams(RecipeParams):
         description="distil the pretrained model into a smaller student (distill.student) and train the same "
         "student from scratch on the same tokens, side by side in the report",
     )
+    compress: bool = Field(
+        False,
+        title="Compress",
+        description="quantize (torchao int8/int4, GPTQ), factorise and prune the final model (compress.variants), "
+        "evaluate every variant and register the smallest within compress.tolerance under compress.alias",
+    )
     register_model: bool = Field(
         True, title="Register", description="log the final model to the MLflow registry"
     )
@@ -107,6 +113,7 @@ class PipelineParams(RecipeParams):
             finetune=self.finetune,
             dpo=self.dpo,
             distill=self.distill,
+            compress=self.compress,
             register_model=self.register_model,
         )
 
@@ -165,6 +172,14 @@ class DistillParams(RecipeParams):
     )
 
 
+class CompressParams(RecipeParams):
+    base: str | None = Field(
+        None,
+        title="Model run",
+        description="a finished run directory to compress (default: this recipe's fine-tuned model)",
+    )
+
+
 class EvalParams(RecipeParams):
     runs: list[str] = Field(
         default_factory=list, title="Runs", description="finished run directories to compare"
@@ -211,6 +226,16 @@ def distill_flow(params: DistillParams) -> str:
     return stages.distilled(params.load(), PrefectRunner(), teacher)[0].path
 
 
+@flow(name="compress")
+def compress_flow(params: CompressParams) -> str:
+    """Compressed variants of a model and their size-quality frontier (frontier.md, frontier.png)."""
+    base = stages.load_model(params.base) if params.base else None
+    recipe, runner = params.load(), PrefectRunner()
+    _, front = stages.compressed(recipe, runner, base)
+    runner.publish("compress", recipe, stages.frontier_headline(front), front.mlflow_run_id)
+    return str(Path(front.path) / "frontier.md")
+
+
 @flow(name="evaluate")
 def evaluate_flow(params: EvalParams) -> str:
     models = [stages.load_model(run) for run in params.runs]
@@ -227,5 +252,6 @@ FLOWS = {
     "finetune": finetune_flow,
     "dpo": dpo_flow,
     "distill": distill_flow,
+    "compress": compress_flow,
     "evaluate": evaluate_flow,
 }

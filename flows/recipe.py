@@ -19,9 +19,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from data_pipeline.config import DataConfig
 from evaluation.config import EvalConfig
+from evaluation.frontier import FrontierSpec
 from evaluation.report import EvalSpec
 from infra.config import Change, ConfigError, apply_overrides, parse_override
 from infra.tracking import TrackingConfig
+from training.compress_stage import CompressConfig, CompressSpec
 from training.config import (
     DistillConfig,
     DPOConfig,
@@ -61,6 +63,7 @@ class Recipe(BaseModel):
     finetune: FinetuneConfig = FinetuneConfig()
     dpo: DPOConfig = DPOConfig()
     distill: DistillConfig = DistillConfig()
+    compress: CompressConfig = CompressConfig()
     sweep: SweepConfig = SweepConfig()
     eval: EvalConfig = EvalConfig()
 
@@ -193,6 +196,21 @@ class Recipe(BaseModel):
     def eval_spec(self) -> EvalSpec:
         return EvalSpec(
             name=self.name, output_dir=self.output_dir, eval=self.eval, data=self.data, tracking=self.tracking
+        )
+
+    def compress_spec(self) -> CompressSpec:
+        return CompressSpec(
+            name=self.name, output_dir=self.output_dir, compress=self.compress, tracking=self.tracking
+        )
+
+    def frontier_spec(self) -> FrontierSpec:
+        return FrontierSpec(
+            name=self.name,
+            output_dir=self.output_dir,
+            eval=self.eval,
+            data=self.data,
+            compress=self.compress,
+            tracking=self.tracking,
         )
 
     def override(self, *changes: Change) -> Recipe:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from evaluation.frontier import LOSS, Frontier
 from evaluation.gates import gate_results
 from evaluation.report import EvalReport
 from evaluation.scaling_report import ScalingFit
 from flows.recipe import Recipe
 from infra.registry import RegisteredVersion, register
+from training.compress_stage import Compressed
 from training.stage import TrainedModel
+from training.variants import QUANTIZED
 
 
 def register_final(
@@ -40,6 +43,36 @@ def register_final(
         "\n".join(lines),
         scaling_tags(scaling),
         skipped,
+    )
+
+
+def register_compressed(
+    recipe: Recipe, frontier: Frontier, compressed: Compressed
+) -> RegisteredVersion | None:
+    """Register the frontier's chosen variant (the smallest within the held-out loss tolerance, export verified)
+    under `compress.alias`; None when no variant qualifies."""
+    if frontier.chosen is None:
+        return None
+    row = frontier.record(frontier.chosen)
+    record = next(r for r in compressed.variants if r.name == frontier.chosen)
+    gates = {"export_verified": record.export_valid, f"{LOSS} within {frontier.tolerance:g}": True}
+    lines = [f"{frontier.chosen}: {row['size_ratio']:.2f}x the size of {compressed.base_run_dir}"]
+    lines += [
+        f"{m}: {row['metrics'][m]} ({100 * row['relative'].get(m, 0.0):+.2f}%)"
+        for m in (LOSS, "heldout/all/bits_per_byte")
+    ]
+    name = recipe.eval.register_name or f"lmforge-{recipe.name.removesuffix('-optimal')}"
+    return register(
+        recipe.tracking,
+        recipe.output_dir,
+        record.model_copy(update={"mlflow_run_id": row["mlflow_run_id"]}),
+        name,
+        frontier.alias,
+        gates,
+        frontier.path,
+        "\n".join(lines),
+        {"lmforge.compression": record.method, "lmforge.base_run_dir": compressed.base_run_dir},
+        requirements=("torchao",) if record.method in QUANTIZED else (),
     )
 
 

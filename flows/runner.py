@@ -1,5 +1,6 @@
 """How the DAG's stages are called: the `Runner` protocol and `Direct`, the plain in-process runner the Prefect
-and CLI runners specialise (a task per call and published artifacts; progress bars). Light to import: the CLI
+and CLI runners specialise (a task per call and published artifacts; progress bars). Progress comes as training
+steps, sweep trials, or items of a list (compressed variants, evaluated models). Light to import: the CLI
 loads it before any heavy library.
 """
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 StepProgress = Callable[[int, float, float], None]  # (step, loss, tokens/s)
 TrialProgress = Callable[[int, int, dict[str, Any]], None]  # (finished, total, row)
+ItemProgress = Callable[[int, str], None]  # (items finished, the one now starting)
 
 
 class Runner(Protocol):
@@ -24,6 +26,8 @@ class Runner(Protocol):
     def steps(self, name: str, total: int) -> StepProgress | None: ...
 
     def trials(self, name: str) -> TrialProgress | None: ...
+
+    def items(self, name: str, total: int) -> ItemProgress | None: ...
 
     def publish(
         self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None
@@ -42,6 +46,12 @@ class Direct:
 
     def trials(self, name: str) -> TrialProgress | None:
         return print_trial
+
+    def items(self, name: str, total: int) -> ItemProgress | None:
+        def report(done: int, label: str) -> None:
+            print(f"{name} {done}/{total}: {label}")
+
+        return report
 
     def publish(self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None) -> None:
         pass

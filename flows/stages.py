@@ -19,10 +19,12 @@ from pydantic import BaseModel, ConfigDict
 from data_pipeline.preference import PreferenceManifest
 from data_pipeline.sft import SFTManifest
 from data_pipeline.shards import DatasetManifest
+from evaluation.frontier import Frontier
 from evaluation.report import EvalReport
 from evaluation.scaling_report import ScalingFit
 from flows.recipe import ConfigError, Recipe
-from flows.runner import Runner, StepProgress, T, TrialProgress
+from flows.runner import ItemProgress, Runner, StepProgress, T, TrialProgress
+from training.compress_stage import Compressed
 from training.distill import Teacher
 from training.preference import ReferenceLogps
 from training.stage import TrainedModel
@@ -153,6 +155,26 @@ def student_baseline(
     return run_pretrain(spec, data, progress=progress)
 
 
+def compress(
+    recipe: Recipe, base: TrainedModel, data: DatasetManifest, progress: ItemProgress | None = None
+) -> Compressed:
+    from training.compress_stage import run_compress
+
+    return run_compress(recipe.compress_spec(), base, data, progress=progress)
+
+
+def frontier(
+    recipe: Recipe,
+    variants: Compressed,
+    base: TrainedModel,
+    sft_heldout: str | None = None,
+    progress: ItemProgress | None = None,
+) -> Frontier:
+    from evaluation.frontier import run_frontier
+
+    return run_frontier(recipe.frontier_spec(), variants, base, sft_heldout, progress=progress)
+
+
 def evaluate(
     recipe: Recipe,
     models: list[TrainedModel],
@@ -253,6 +275,27 @@ def distilled(
     return student, baseline
 
 
+def compressed(
+    recipe: Recipe,
+    run: Runner,
+    base: TrainedModel | None = None,
+    sft_heldout: str | None = None,
+    times: dict[str, float] | None = None,
+) -> tuple[Compressed, Frontier]:
+    """The compressed variants of `base` (default: this recipe's fine-tuned model) and their frontier against it;
+    `sft_heldout` adds the SFT held-out task to each evaluation."""
+    times = {} if times is None else times
+    data = run("tokenize", tokens, recipe)
+    if base is None:
+        base, examples = finetuned(recipe, run)
+        sft_heldout = sft_heldout or str(Path(examples.path) / "heldout.jsonl")
+    progress = run.items("compress", len(recipe.compress.variants))
+    variants = timed(times, "compress", run, compress, recipe, base, data, progress=progress)
+    progress = run.items("frontier", len(variants.variants) + 1)
+    front = timed(times, "frontier", run, frontier, recipe, variants, base, sft_heldout, progress=progress)
+    return variants, front
+
+
 def swept(recipe: Recipe, run: Runner) -> SweepResult:
     data = run("tokenize", tokens, recipe)
     return run("sweep", sweep, recipe, data, progress=run.trials("sweep"))
@@ -268,6 +311,7 @@ class PipelineOptions(BaseModel):
     finetune: bool = True
     dpo: bool = False
     distill: bool = False
+    compress: bool = False
     register_model: bool = True
 
 
@@ -384,8 +428,29 @@ def pipeline(
         numbers = {"model": version.name, "version": version.version, "alias": version.alias, **version.gates}
         run.publish("register", recipe, numbers)
         record_register(recipe, version, candidate)
+    if options.compress:  # the model the registry took, compressed, and the frontier against it
+        variants, front = compressed(final, run, candidate, heldout, times)
+        run.publish("compress", recipe, frontier_headline(front), front.mlflow_run_id)
+        summary["compress"] = frontier_headline(front)
+        outputs |= {"compressed variants": variants.path, "frontier": str(Path(front.path) / "frontier.md")}
+        if options.register_model and front.chosen is not None:
+            from flows.registration import register_compressed
+
+            version = timed(times, "register_compressed", run, register_compressed, final, front, variants)
+            summary["registered_compressed"] = version.model_dump()
     summary |= {"stage_seconds": times, "outputs": outputs}
     return summary
+
+
+def frontier_headline(front: Frontier) -> dict[str, Any]:
+    """Each variant's size ratio and held-out bits-per-byte change, and the registrable one."""
+    from evaluation.frontier import BPB
+
+    numbers: dict[str, Any] = {
+        row["name"]: f"{row['size_ratio']:.2f}x size, {100 * row['relative'].get(BPB, 0.0):+.2f}% bits/byte"
+        for row in front.rows[1:]
+    }
+    return {**numbers, "chosen (within tolerance)": front.chosen or "none"}
 
 
 def fit_headline(law: ScalingFit) -> dict[str, Any]:

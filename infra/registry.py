@@ -24,8 +24,11 @@ class RegisteredVersion(BaseModel):
     skipped: list[str] = []  # declared gates that could not be checked (a metric the report lacks)
 
 
-def log_pyfunc(uri: str, run_id: str, hf_export: str | Path, name: str = "model") -> str:
-    """Log the export as a pyfunc model into `run_id`; returns its model URI."""
+def log_pyfunc(
+    uri: str, run_id: str, hf_export: str | Path, name: str = "model", requirements: tuple[str, ...] = ()
+) -> str:
+    """Log the export as a pyfunc model into `run_id` (`requirements`: packages beyond torch, transformers,
+    safetensors and tokenizers that loading it needs, e.g. torchao for a quantized export); returns its URI."""
     import mlflow
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
@@ -43,7 +46,7 @@ def log_pyfunc(uri: str, run_id: str, hf_export: str | Path, name: str = "model"
             artifacts={"hf_model": str(hf_export)},
             signature=signature,
             input_example=["def "],
-            pip_requirements=["torch", "transformers", "safetensors", "tokenizers"],
+            pip_requirements=["torch", "transformers", "safetensors", "tokenizers", *requirements],
         )
     return info.model_uri
 
@@ -59,6 +62,7 @@ def register(
     description: str = "",
     tags: dict[str, str] | None = None,
     skipped: list[str] = (),
+    requirements: tuple[str, ...] = (),
 ) -> RegisteredVersion:
     """Log `ref`'s export as a pyfunc into its own MLflow run, register a version, attach the eval report,
     and point `alias` at it when every gate passes."""
@@ -90,7 +94,7 @@ def register(
         )
     if report_dir is not None:
         client.log_artifacts(ref.mlflow_run_id, str(report_dir), "eval_report")
-    model_uri = log_pyfunc(uri, ref.mlflow_run_id, ref.hf_export)
+    model_uri = log_pyfunc(uri, ref.mlflow_run_id, ref.hf_export, requirements=requirements)
     mlflow.set_registry_uri(uri)
     version = mlflow.register_model(model_uri, registered_name)
     for gate, passed in gates.items():

@@ -161,10 +161,19 @@ def load_export(export_dir: str | Path) -> Transformer:
     state: dict[str, torch.Tensor] = {}
     for file in sorted(export_dir.glob("*.safetensors")):
         state.update(load_file(file))
-    model = Transformer(cfg, seed=None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]:
+    return load_weights(Transformer(cfg, seed=None), state, export_dir)
+
+
+def load_weights(
+    model: Transformer, state: dict[str, Tensor], where: str | Path, assign: bool = False
+) -> Transformer:
+    """`model` with `state` loaded (a tied head may be absent; `assign` keeps the tensors themselves, e.g. torchao
+    ones), in eval mode; weights that do not fit its config are refused naming `where`."""
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=assign)
+    if unexpected or [k for k in missing if not (model.cfg.tie_embeddings and k == "lm_head.weight")]:
         raise DataError(
-            f"{export_dir}: weights do not match its config (missing {missing}, unexpected {unexpected})"
+            f"{where}: weights do not match its config (missing {missing}, unexpected {unexpected})"
         )
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

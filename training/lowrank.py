@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -56,3 +56,27 @@ def factorize(
         )
     dtype = weight.dtype if weight.is_floating_point() else torch.float32
     return Factors((u[:, :rank] * s[:rank]).to(dtype), vh[:rank].to(dtype), s[rank:].to(dtype))
+
+
+class LowRankLinear(nn.Module):
+    """y = x·Bᵀ·Aᵀ: a linear layer held as its two factors (`b` then `a`, state-dict keys `a`, `b`)."""
+
+    def __init__(self, a: Tensor, b: Tensor) -> None:
+        super().__init__()
+        self.a = nn.Parameter(a.detach().clone(), requires_grad=False)
+        self.b = nn.Parameter(b.detach().clone(), requires_grad=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.b.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.a.shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(nn.functional.linear(x, self.b), self.a)
+
+    def dense(self) -> Tensor:
+        """The (out, in) weight the factors stand for."""
+        return self.a @ self.b

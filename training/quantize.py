@@ -100,7 +100,7 @@ def gptq(
     h += damp * torch.diag(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     block = max(group_size, block // group_size * group_size)  # groups never straddle blocks
-    codes, deq = torch.empty_like(w), torch.empty_like(w)
+    codes = torch.empty_like(w)
     scales, zeros = [], []
     for start in range(0, w.shape[1], block):
         end = min(start + block, w.shape[1])
@@ -112,15 +112,28 @@ def gptq(
                 scales.append(scale)
                 zeros.append(zero)
             c, q = quantize_columns(w_block[:, i], scale, zero, bits)
-            codes[:, start + i], deq[:, start + i] = c, q
+            codes[:, start + i] = c
             errors[:, i] = (w_block[:, i] - q) / u_block[i, i]
             w_block[:, i:] -= errors[:, i : i + 1] * u_block[i : i + 1, i:]
         w[:, end:] -= errors @ u[start:end, end:]
-    return Quantized(
-        deq.float(),
-        codes.to(torch.uint8),
-        torch.stack(scales, 1).float(),
-        torch.stack(zeros, 1).float(),
-        bits,
-        group_size,
+    scales_f, zeros_f = torch.stack(scales, 1).float(), torch.stack(zeros, 1).float()
+    # the weights as stored compute them: float32 scales times (codes − zeros), not the float64 working copy
+    weight = (codes.float() - zeros_f.repeat_interleave(group_size, 1)) * scales_f.repeat_interleave(
+        group_size, 1
     )
+    return Quantized(weight, codes.to(torch.uint8), scales_f, zeros_f, bits, group_size)
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """`codes` (any shape, values in [0, 2^bits)) as a flat uint8 tensor holding `bits` bits per code."""
+    flat = codes.reshape(-1).to(torch.int32)
+    planes = ((flat[:, None] >> torch.arange(bits)) & 1).reshape(-1)  # least significant bit first
+    planes = torch.cat([planes, planes.new_zeros(-len(planes) % 8)]).reshape(-1, 8)
+    return (planes << torch.arange(8)).sum(1).to(torch.uint8)
+
+
+def unpack_codes(packed: Tensor, bits: int, shape: tuple[int, ...]) -> Tensor:
+    """The inverse of `pack_codes`: uint8 codes of `shape`."""
+    n = int(torch.tensor(shape).prod())
+    planes = ((packed.to(torch.int32)[:, None] >> torch.arange(8)) & 1).reshape(-1)[: n * bits]
+    return (planes.reshape(n, bits) << torch.arange(bits)).sum(1).to(torch.uint8).reshape(shape)

@@ -32,12 +32,26 @@ def test_pipeline_parameters_render_as_a_form():
 
     schema = parameter_schema(FLOWS["pipeline"].fn)
     props = schema.model_dump()["definitions"]["PipelineParams"]["properties"]
-    assert {"recipe", "overrides", "size", "budget", "finetune", "dpo", "distill", "register_model"} <= set(
-        props
-    )
+    fields = {
+        "recipe",
+        "overrides",
+        "size",
+        "budget",
+        "finetune",
+        "dpo",
+        "distill",
+        "compress",
+        "register_model",
+    }
+    assert fields <= set(props)
     assert props["size"]["enum"] == ["fit", "recipe"]
     assert "DPO" in props["dpo"]["title"] and "student" in props["distill"]["description"]  # described fields
-    for name in ("dpo", "distill"):  # each optional stage is also a flow of its own (and so a deployment)
+    assert "frontier" not in props["compress"]["title"] and "GPTQ" in props["compress"]["description"]
+    for name in (
+        "dpo",
+        "distill",
+        "compress",
+    ):  # each optional stage is also a flow of its own (and so a deployment)
         params = parameter_schema(FLOWS[name].fn).model_dump()["definitions"]
         assert {"recipe", "overrides"} <= set(next(iter(params.values()))["properties"])
 

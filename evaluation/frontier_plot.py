@@ -1,0 +1,63 @@
+"""frontier.png: bytes on disk against held-out bits per byte, one marker per method, the uncompressed model as
+the reference point and lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MARKERS = {
+    "int8-weight": "s",
+    "int8-dynamic": "D",
+    "int4": "v",
+    "rtn": "^",
+    "gptq": "o",
+    "lowrank": "P",
+    "magnitude": "X",
+    "wanda": "*",
+}
+
+
+def write_frontier_plot(frontier: Any, path: Path) -> Path:
+    from evaluation.frontier import BPB
+
+    reference, variants = frontier.rows[0], frontier.rows[1:]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    ref_kb, ref_bpb = reference["disk_bytes"] / 1024, reference["metrics"][BPB]
+    ax.scatter([ref_kb], [ref_bpb], marker="*", s=220, color="black", zorder=3, label="uncompressed")
+    ax.axhline(ref_bpb, color="black", lw=0.8, ls="--")
+    ax.axvline(ref_kb, color="black", lw=0.8, ls=":")
+    colors = plt.cm.tab10.colors
+    for i, method in enumerate(dict.fromkeys(row["method"] for row in variants)):
+        rows = [row for row in variants if row["method"] == method]
+        ax.scatter(
+            [row["disk_bytes"] / 1024 for row in rows],
+            [row["metrics"][BPB] for row in rows],
+            marker=MARKERS.get(method, "o"),
+            s=60,
+            color=colors[i % len(colors)],
+            label=method,
+            zorder=2,
+        )
+        for row in rows:
+            ax.annotate(
+                row["name"],
+                (row["disk_bytes"] / 1024, row["metrics"][BPB]),
+                fontsize=6,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    ax.set_xlabel("weights on disk (KiB)")
+    ax.set_ylabel("held-out bits per byte (lower is better)")
+    ax.set_title("Compression frontier: size vs held-out quality")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

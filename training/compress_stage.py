@@ -1,0 +1,265 @@
+"""The compress stage: `run_compress(spec, base, data) -> Compressed`, one trained model into several compressed
+variants (`training/variants.py`), each saved with a verified export and measured for size.
+
+Calibration (GPTQ's Hessians, Wanda's input norms) is a fixed sample of the recipe's own token shards: `sequences`
+windows of the model's context from the train split, drawn with `seed`, recorded by the sha256 of their token
+ids. The step is cached by the base's and the data's digests and the variant list; a variant whose directory
+already holds a verified export is kept when an interrupted stage runs again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
+
+from data_pipeline.loader import PackedLoader
+from data_pipeline.shards import DatasetManifest
+from data_pipeline.sources import DataError
+from infra.steps import Artifact, Step, run_step
+from infra.storage import atomic_write_json
+from infra.tracking import TrackingConfig
+from training.compress import model_bytes
+from training.export import export_damage, read_verification
+from training.hf_interop import load_export
+from training.stage import TrainedModel
+from training.variants import VariantConfig, build_variant, save_variant, weight_files
+
+log = logging.getLogger(__name__)
+COMPRESS_VERSION = 1
+DEFAULT_VARIANTS = (
+    {"method": "int8-weight"},
+    {"method": "int8-dynamic"},
+    {"method": "int4", "group_size": 32},
+    {"method": "rtn", "bits": 4, "group_size": 32},
+    {"method": "gptq", "bits": 4, "group_size": 32},
+    {"method": "lowrank", "energy": 0.9},
+    {"method": "magnitude", "sparsity": 0.5},
+    {"method": "wanda", "sparsity": 0.5},
+    {"method": "wanda", "pattern": "2:4"},
+)
+
+
+class CalibrationConfig(BaseModel):
+    """The calibration sample: `sequences` context-length windows of the train split, drawn with `seed`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sequences: PositiveInt = 32
+    seed: NonNegativeInt = 0
+    batch_size: PositiveInt = 8
+
+
+class CompressConfig(BaseModel):
+    """The recipe's `compress:` section: the variants to make, their calibration, and which one the registry may
+    take (the smallest whose held-out loss is within `tolerance` of the uncompressed model's, alias `alias`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    variants: list[VariantConfig] = Field(
+        default_factory=lambda: [VariantConfig(**v) for v in DEFAULT_VARIANTS]
+    )
+    calibration: CalibrationConfig = CalibrationConfig()
+    tolerance: float = Field(0.02, ge=0)  # relative held-out loss increase the registered variant may show
+    alias: str = "compressed"
+    generate_tokens: PositiveInt = 64  # tokens generated (greedy) to measure tokens/s
+
+    @field_validator("variants")
+    @classmethod
+    def _distinct(cls, variants: list[VariantConfig]) -> list[VariantConfig]:
+        names = [v.name for v in variants]
+        if not variants:
+            raise ValueError("no variants; list at least one method (e.g. {method: gptq, bits: 4})")
+        if len(set(names)) != len(names):
+            raise ValueError(f"variants repeat: {sorted({n for n in names if names.count(n) > 1})}")
+        return variants
+
+
+class CompressSpec(BaseModel):
+    """What the compress stage receives."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    output_dir: str
+    compress: CompressConfig = CompressConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+
+class VariantRecord(BaseModel):
+    """One compressed model on disk: where, how made, its export's verification and its size."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    method: str
+    settings: dict[str, Any]
+    path: str
+    hf_export: str
+    export_valid: bool
+    max_abs_logit_diff: float
+    disk_bytes: int  # the files holding its weights (factors for low-rank, else the export's safetensors)
+    memory_bytes: int  # its parameters as lmforge holds them
+    seconds: float  # time to make it (calibration included), not to export it
+    details: dict[str, Any] = {}
+    mlflow_run_id: str | None = None  # set by the frontier (its nested run), for the registry
+
+    @property
+    def run_dir(self) -> str:  # what the registry tags a version with
+        return self.path
+
+
+class Compressed(Artifact):
+    """The variants of one model, beside the uncompressed reference (`reference`, method "none")."""
+
+    base_run_dir: str
+    base_kind: str
+    base_mlflow_run_id: str | None
+    tokenizer_digest: str
+    parameters: int
+    calibration: dict[str, Any]
+    reference: VariantRecord
+    variants: list[VariantRecord]
+
+    def damage(self) -> str | None:
+        for record in (self.reference, *self.variants):
+            if problem := export_damage(record.hf_export):
+                return problem
+        return None
+
+
+def calibration_batches(data: DatasetManifest, cfg: CalibrationConfig, context: int) -> list[torch.Tensor]:
+    """The calibration sample as token batches (B, context); refused when the train split is too short."""
+    needed = cfg.sequences * context + 1
+    have = data.splits["train"].n_tokens
+    if have < needed:
+        raise DataError(
+            f"the calibration sample needs {cfg.sequences} windows of the model's {context}-token context "
+            f"({needed:,} tokens) but the train split holds {have:,}; lower compress.calibration.sequences or "
+            "tokenize more text"
+        )
+    loader = PackedLoader(data, "train", seq_len=context, batch_size=cfg.batch_size, seed=cfg.seed)
+    rows = [b.inputs for b in loader.epoch_batches(-(-cfg.sequences // cfg.batch_size))]
+    return list(torch.cat(rows)[: cfg.sequences].split(cfg.batch_size))
+
+
+def record_of(
+    name: str, method: str, settings: dict, out: Path, memory: int, seconds: float, details: dict
+) -> VariantRecord:
+    verification = read_verification(out / "hf")
+    return VariantRecord(
+        name=name,
+        method=method,
+        settings=settings,
+        path=str(out.resolve()),
+        hf_export=str((out / "hf").resolve()),
+        export_valid=bool(verification["valid"]),
+        max_abs_logit_diff=float(verification["max_abs_logit_diff"]),
+        disk_bytes=sum(f.stat().st_size for f in weight_files(out)),
+        memory_bytes=memory,
+        seconds=seconds,
+        details=details,
+    )
+
+
+def run_compress(
+    spec: CompressSpec,
+    base: TrainedModel,
+    data: DatasetManifest,
+    progress: Callable[[int, str], None] | None = None,
+) -> Compressed:
+    """Make (or return) every variant of `base`'s export; `progress(done, name)` hears each one start."""
+    if not base.hf_export or not base.export_valid or not Path(base.hf_export).is_dir():
+        raise DataError(
+            f"{base.path}: no verified Hugging Face export to compress; rerun its stage to export it"
+        )
+    data.check_tokenizer(base.tokenizer_digest)
+    cfg = spec.compress
+    config = cfg.model_dump(mode="json", exclude={"tolerance", "alias", "generate_tokens"})
+    step = Step("compress", spec.name, COMPRESS_VERSION, config, Compressed, {"model": base, "data": data})
+    return run_step(spec.output_dir, step, lambda out, key: _compress(spec, base, data, out, progress))
+
+
+def _compress(
+    spec: CompressSpec, base: TrainedModel, data: DatasetManifest, out: Path, progress: Any
+) -> Compressed:
+    cfg = spec.compress
+    export = Path(base.hf_export)
+    model = load_export(export)
+    context = model.cfg.max_seq_len
+    batches = calibration_batches(data, cfg.calibration, context)
+    ids = torch.cat(batches).numpy().astype("int64").tobytes()
+    calibration = {
+        **cfg.calibration.model_dump(),
+        "split": "train",
+        "seq_len": context,
+        "tokens": cfg.calibration.sequences * context,
+        "sha256": hashlib.sha256(ids).hexdigest(),
+    }
+    atomic_write_json(out / "calibration.json", calibration)
+    reference = VariantRecord(
+        name="uncompressed",
+        method="none",
+        settings={},
+        path=str(export.resolve()),
+        hf_export=str(export.resolve()),
+        export_valid=base.export_valid,
+        max_abs_logit_diff=float(base.max_abs_logit_diff or 0.0),
+        disk_bytes=sum(f.stat().st_size for f in export.glob("*.safetensors")),
+        memory_bytes=model_bytes(model),
+        seconds=0.0,
+    )
+    records = []
+    for i, variant in enumerate(cfg.variants):
+        if progress is not None:
+            progress(i, variant.name)
+        directory = out / variant.name
+        done = directory / "variant.json"
+        if done.is_file() and export_damage(directory / "hf") is None:  # made before an interruption
+            records.append(VariantRecord.model_validate_json(done.read_text()))
+            continue
+        t0 = time.perf_counter()
+        try:
+            compressed, details = build_variant(model, variant, lambda: batches)
+        except ValueError as error:  # a setting the model's shapes cannot take (the message names the layer)
+            raise DataError(f"compress.variants {variant.name}: {error}") from None
+        seconds = time.perf_counter() - t0
+        save_variant(compressed, variant, export, directory)
+        record = record_of(
+            variant.name,
+            variant.method,
+            variant.settings(),
+            directory,
+            model_bytes(compressed),
+            seconds,
+            details,
+        )
+        atomic_write_json(done, json.loads(record.model_dump_json()))
+        log.info(
+            "%s: %s bytes on disk (%.2fx), built in %.1fs",
+            variant.name,
+            f"{record.disk_bytes:,}",
+            record.disk_bytes / reference.disk_bytes,
+            seconds,
+        )
+        records.append(record)
+    if progress is not None:
+        progress(len(cfg.variants), "done")
+    return Compressed(
+        path=str(out.resolve()),
+        base_run_dir=base.path,
+        base_kind=base.kind,
+        base_mlflow_run_id=base.mlflow_run_id,
+        tokenizer_digest=base.tokenizer_digest,
+        parameters=sum(p.numel() for p in model.parameters()),
+        calibration=calibration,
+        reference=reference,
+        variants=records,
+    )
