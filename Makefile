@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: install
 	$(VENV)/bin/lmforge model summary demo
-	$(VENV)/bin/lmforge pipeline demo --dpo --distill
+	$(VENV)/bin/lmforge pipeline demo --dpo --distill --compress
 
 # The two-node Ray cluster test runs last, in its own process (it needs the machine's CPUs to itself). The slowest
 # tests are listed at the end of each run, so a CI log says where the time went.

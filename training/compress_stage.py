@@ -28,9 +28,9 @@ from infra.storage import atomic_write_json
 from infra.tracking import TrackingConfig
 from training.compress import model_bytes
 from training.export import export_damage, read_verification
-from training.hf_interop import load_export
+from training.hf_interop import load_export, load_hf_config
 from training.stage import TrainedModel
-from training.variants import VariantConfig, build_variant, save_variant, weight_files
+from training.variants import VariantConfig, build_variant, check_shapes, save_variant, weight_files
 
 log = logging.getLogger(__name__)
 COMPRESS_VERSION = 1
@@ -135,8 +135,8 @@ class Compressed(Artifact):
         return None
 
 
-def calibration_batches(data: DatasetManifest, cfg: CalibrationConfig, context: int) -> list[torch.Tensor]:
-    """The calibration sample as token batches (B, context); refused when the train split is too short."""
+def calibration_size(data: DatasetManifest, cfg: CalibrationConfig, context: int) -> int:
+    """Tokens the calibration sample reads; refused when the train split is shorter."""
     needed = cfg.sequences * context + 1
     have = data.splits["train"].n_tokens
     if have < needed:
@@ -145,6 +145,12 @@ def calibration_batches(data: DatasetManifest, cfg: CalibrationConfig, context: 
             f"({needed:,} tokens) but the train split holds {have:,}; lower compress.calibration.sequences or "
             "tokenize more text"
         )
+    return needed
+
+
+def calibration_batches(data: DatasetManifest, cfg: CalibrationConfig, context: int) -> list[torch.Tensor]:
+    """The calibration sample as token batches (B, context)."""
+    calibration_size(data, cfg, context)
     loader = PackedLoader(data, "train", seq_len=context, batch_size=cfg.batch_size, seed=cfg.seed)
     rows = [b.inputs for b in loader.epoch_batches(-(-cfg.sequences // cfg.batch_size))]
     return list(torch.cat(rows)[: cfg.sequences].split(cfg.batch_size))
@@ -169,6 +175,23 @@ def record_of(
     )
 
 
+def check(spec: CompressSpec, base: TrainedModel, data: DatasetManifest) -> None:
+    """Refuse bad input before any work, in one line each: no verified export, data in another tokenizer,
+    settings the model's shapes cannot take, a calibration sample the shards cannot fill."""
+    if not base.hf_export or not base.export_valid or not Path(base.hf_export).is_dir():
+        raise DataError(
+            f"{base.path}: no verified Hugging Face export to compress ({base.hf_export or 'none'}); rerun its "
+            "stage to export it"
+        )
+    data.check_tokenizer(base.tokenizer_digest)
+    cfg = load_hf_config(base.hf_export)
+    try:
+        check_shapes(cfg, spec.compress.variants)
+    except ValueError as error:
+        raise DataError(str(error)) from None
+    calibration_size(data, spec.compress.calibration, cfg.max_seq_len)
+
+
 def run_compress(
     spec: CompressSpec,
     base: TrainedModel,
@@ -176,11 +199,7 @@ def run_compress(
     progress: Callable[[int, str], None] | None = None,
 ) -> Compressed:
     """Make (or return) every variant of `base`'s export; `progress(done, name)` hears each one start."""
-    if not base.hf_export or not base.export_valid or not Path(base.hf_export).is_dir():
-        raise DataError(
-            f"{base.path}: no verified Hugging Face export to compress; rerun its stage to export it"
-        )
-    data.check_tokenizer(base.tokenizer_digest)
+    check(spec, base, data)
     cfg = spec.compress
     config = cfg.model_dump(mode="json", exclude={"tolerance", "alias", "generate_tokens"})
     step = Step("compress", spec.name, COMPRESS_VERSION, config, Compressed, {"model": base, "data": data})

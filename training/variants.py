@@ -38,7 +38,7 @@ from training.compress import (
 from training.export import TOKENIZER_FILES, TOLERANCE, export_hf, probe_tokens
 from training.hf_interop import load_export, load_hf_config, load_weights
 from training.lowrank import LowRankLinear, rank_for_energy
-from training.model import Transformer
+from training.model import ModelConfig, Transformer
 from training.quantize import SUPPORTED_BITS, pack_codes, unpack_codes
 
 Method = Literal["int8-weight", "int8-dynamic", "int4", "rtn", "gptq", "lowrank", "magnitude", "wanda"]
@@ -128,6 +128,29 @@ class VariantConfig(BaseModel):
 
 
 # ---- making a variant -----------------------------------------------------------------------------------
+
+
+def check_shapes(cfg: ModelConfig, variants: list[VariantConfig]) -> None:
+    """Refuse, before any work, a setting some layer's shape cannot take (naming the variant and the layer):
+    a group size that does not divide its input columns, 2:4 on inputs not divisible by 4, a rank above
+    min(m, n)."""
+    with torch.device("meta"):
+        shapes = {
+            name: tuple(layer.weight.shape)
+            for name, layer in linear_layers(Transformer(cfg, seed=None)).items()
+        }
+    for variant in variants:
+        s = variant.settings()
+        for name, (m, n) in shapes.items():
+            problem = None
+            if "group_size" in s and n % s["group_size"]:
+                problem = f"group size {s['group_size']} does not divide its {n} input columns; pick a divisor of {n}"
+            elif s.get("pattern") == "2:4" and n % 4:
+                problem = f"2:4 pruning needs the input dimension ({n}) divisible by 4"
+            elif s.get("rank", 0) > min(m, n):
+                problem = f"lowrank rank {s['rank']} is above min(m, n) = {min(m, n)} of its {m}x{n} weight"
+            if problem:
+                raise ValueError(f"compress.variants {variant.name}: {name}: {problem}")
 
 
 def lowrank_ranks(model: nn.Module, settings: dict[str, Any]) -> dict[str, int | None]:
@@ -349,7 +372,8 @@ def save_variant(model: Transformer, variant: VariantConfig, base_export: Path, 
             if k != "lm_head.weight" or not model.cfg.tie_embeddings
         }
         save_file(state, str(out / FACTORS))
-    return export_hf(dense_state_dict(model), model.cfg, base_export, out / "hf")
+    tokenizer = base_export if (base_export / "tokenizer.json").is_file() else None
+    return export_hf(dense_state_dict(model), model.cfg, tokenizer, out / "hf")
 
 
 def weight_files(directory: Path) -> list[Path]:
