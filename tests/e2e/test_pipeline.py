@@ -85,6 +85,7 @@ def served_run(services, tmp_path_factory):
                         "overrides": smoke_overrides(out, *EVAL, *MULTI_HORIZON),
                         "dpo": True,
                         "distill": True,
+                        "compress": True,
                     }
                 },
                 timeout=1200,
@@ -126,6 +127,7 @@ def test_mlflow_holds_the_lineage(served_run):
         "distill",
         "eval",
         "register",
+        "compress",
     }
     for stage, child in children.items():  # every stage run says which code and which config made it
         assert (
@@ -184,8 +186,18 @@ def test_mlflow_holds_the_lineage(served_run):
         "eval_report",
     } <= dpo_artifacts  # the registered model's run holds the report
     assert "eval/report.md" in {a.path for a in client.list_artifacts(children["eval"].info.run_id, "eval")}
-    (found,) = client.search_model_versions("name='lmforge-smoke'")
-    version = client.get_model_version("lmforge-smoke", found.version)
+    versions = [
+        client.get_model_version("lmforge-smoke", v.version)
+        for v in client.search_model_versions("name='lmforge-smoke'")
+    ]
+    (version,) = [v for v in versions if "lmforge.compression" not in v.tags]
+    # the compress stage's variants are nested runs of its own run; the smallest within tolerance is registered
+    # under its own alias next to the tuned model
+    compress = children["compress"]
+    variant_runs = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == compress.info.run_id]
+    assert len(variant_runs) == 1 + len(load_recipe("smoke").compress.variants)
+    (small,) = [v for v in versions if "lmforge.compression" in v.tags]
+    assert "compressed" in small.aliases and small.tags["gate.export_verified"] == "true"
     assert version.tags["gate.export_verified"] == "true"
     gates = {k: v for k, v in version.tags.items() if k.startswith("gate.")}
     declared = {
@@ -240,6 +252,7 @@ def test_stage_artifacts_are_published_to_prefect(served_run):
         "smoke-pretrain",
         "smoke-dpo",
         "smoke-distill",
+        "smoke-compress",
         "smoke-evaluate",
         "smoke-register",
     }
