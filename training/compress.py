@@ -11,7 +11,6 @@ layers for `LowRankLinear`. The embeddings, the LM head and MoE routers stay in 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -20,10 +19,6 @@ from torch import Tensor, nn
 
 from training.lowrank import LowRankLinear, factorize
 from training.quantize import Quantized, check_shape, gptq, rtn
-
-# torchao logs a warning per CUDA kernel library a CPU build lacks, and torch one per enum torchao registers: noise
-for _noisy in ("torchao", "torch.utils._pytree"):
-    logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:

@@ -99,8 +99,7 @@ class VariantConfig(BaseModel):
 
     def settings(self) -> dict[str, Any]:
         """Every setting the method reads, defaults filled in."""
-        defaults: dict[str, Any] = {"bits": 4, "group_size": 32, "damp": 0.01, "sparsity": 0.5}
-        defaults["pattern"] = "unstructured"
+        defaults = {"bits": 4, "group_size": 32, "damp": 0.01, "sparsity": 0.5, "pattern": "unstructured"}
         values = {
             f: getattr(self, f) if getattr(self, f) is not None else defaults.get(f)
             for f in SETTINGS[self.method]
@@ -113,10 +112,12 @@ class VariantConfig(BaseModel):
 
     @property
     def name(self) -> str:
-        """A short, path-safe label: `gptq-w4g32`, `int4-g64`, `lowrank-e0.9`, `wanda-2of4`, `magnitude-s0.5`."""
+        """A short, path-safe label: `gptq-w4g32` (`-d0.1` with a damping given), `int4-g64`, `lowrank-e0.9`,
+        `wanda-2of4`, `magnitude-s0.5`."""
         s = self.settings()
         if self.method in ("rtn", "gptq"):
-            return f"{self.method}-w{s['bits']}g{s['group_size']}"
+            damp = f"-d{s['damp']:g}" if self.damp is not None else ""
+            return f"{self.method}-w{s['bits']}g{s['group_size']}{damp}"
         if self.method == "int4":
             return f"int4-g{s['group_size']}"
         if self.method == "lowrank":
