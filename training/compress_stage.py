@@ -24,13 +24,21 @@ from data_pipeline.loader import PackedLoader
 from data_pipeline.shards import DatasetManifest
 from data_pipeline.sources import DataError
 from infra.steps import Artifact, Step, run_step
-from infra.storage import atomic_write_json
+from infra.storage import atomic_write_json, damaged_file, file_records
 from infra.tracking import TrackingConfig
 from training.compress import model_bytes
 from training.export import export_damage, read_verification
 from training.hf_interop import load_export, load_hf_config
 from training.stage import TrainedModel
-from training.variants import VariantConfig, build_variant, check_shapes, save_variant, weight_files
+from training.variants import (
+    FACTORS,
+    PACKED,
+    VariantConfig,
+    build_variant,
+    check_shapes,
+    save_variant,
+    weight_files,
+)
 
 log = logging.getLogger(__name__)
 COMPRESS_VERSION = 1
@@ -109,7 +117,12 @@ class VariantRecord(BaseModel):
     memory_bytes: int  # its parameters as lmforge holds them
     seconds: float  # time to make it (calibration included), not to export it
     details: dict[str, Any] = {}
+    files: dict[str, dict[str, Any]] = {}  # lmforge's own storage (packed codes, factors): bytes and sha256
     mlflow_run_id: str | None = None  # set by the frontier (its nested run), for the registry
+
+    def damage(self) -> str | None:
+        """A damaged export or own-storage file (missing, truncated, altered), else None."""
+        return export_damage(self.hf_export) or damaged_file(Path(self.path), self.files)
 
     @property
     def run_dir(self) -> str:  # what the registry tags a version with
@@ -129,10 +142,7 @@ class Compressed(Artifact):
     variants: list[VariantRecord]
 
     def damage(self) -> str | None:
-        for record in (self.reference, *self.variants):
-            if problem := export_damage(record.hf_export):
-                return problem
-        return None
+        return next((p for r in (self.reference, *self.variants) if (p := r.damage())), None)
 
 
 def calibration_size(data: DatasetManifest, cfg: CalibrationConfig, context: int) -> int:
@@ -169,6 +179,7 @@ def record_of(
         export_valid=bool(verification["valid"]),
         max_abs_logit_diff=float(verification["max_abs_logit_diff"]),
         disk_bytes=sum(f.stat().st_size for f in weight_files(out)),
+        files={k: v for k, v in file_records(out).items() if k in (FACTORS, PACKED)},
         memory_bytes=memory,
         seconds=seconds,
         details=details,
@@ -207,7 +218,11 @@ def run_compress(
 
 
 def _compress(
-    spec: CompressSpec, base: TrainedModel, data: DatasetManifest, out: Path, progress: Any
+    spec: CompressSpec,
+    base: TrainedModel,
+    data: DatasetManifest,
+    out: Path,
+    progress: Callable[[int, str], None] | None,
 ) -> Compressed:
     cfg = spec.compress
     export = Path(base.hf_export)
@@ -241,9 +256,11 @@ def _compress(
             progress(i, variant.name)
         directory = out / variant.name
         done = directory / "variant.json"
-        if done.is_file() and export_damage(directory / "hf") is None:  # made before an interruption
-            records.append(VariantRecord.model_validate_json(done.read_text()))
-            continue
+        if done.is_file():  # made before an interruption (kept unless damaged since)
+            record = VariantRecord.model_validate_json(done.read_text())
+            if record.damage() is None:
+                records.append(record)
+                continue
         t0 = time.perf_counter()
         try:
             compressed, details = build_variant(model, variant, lambda: batches)

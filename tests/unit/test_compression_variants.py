@@ -179,3 +179,18 @@ def test_bad_settings_are_refused_naming_the_problem(tiny):
         build_variant(model, VariantConfig(method="gptq", group_size=24), lambda: calibration)
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj: group size 24"):
         build_variant(model, VariantConfig(method="int4", group_size=24), lambda: calibration)
+
+
+def test_a_damaged_variant_is_rebuilt_not_read(tiny, tmp_path):
+    """A finished stage whose packed codes were truncated afterwards is damaged; the stage rebuilds that variant."""
+    from training.compress_stage import VariantRecord, record_of
+
+    model, export, calibration = tiny
+    variant = VariantConfig(method="gptq", bits=3, group_size=16)
+    compressed, _ = build_variant(model, variant, lambda: calibration)
+    save_variant(compressed, variant, export, tmp_path / variant.name)
+    record = record_of(variant.name, variant.method, variant.settings(), tmp_path / variant.name, 0, 0.0, {})
+    assert set(record.files) == {"packed.safetensors"} and record.damage() is None
+    packed = tmp_path / variant.name / "packed.safetensors"
+    packed.write_bytes(packed.read_bytes()[:100])
+    assert "truncated or replaced" in VariantRecord.model_validate_json(record.model_dump_json()).damage()
