@@ -37,6 +37,16 @@ from training.variants import load_variant
 FRONTIER_VERSION = 1
 LOSS = "heldout/all/loss"
 BPB = "heldout/all/bits_per_byte"
+ROW_FIELDS = {
+    "name",
+    "method",
+    "settings",
+    "disk_bytes",
+    "memory_bytes",
+    "export_valid",
+    "max_abs_logit_diff",
+}
+ROW_FIELDS |= {"hf_export", "details"}  # what a frontier row repeats from the variant's record
 
 
 class FrontierSpec(BaseModel):
@@ -136,8 +146,7 @@ def _frontier(
             t0 = time.perf_counter()
             metrics, samples, _ = evaluate_model(em, cfg, docs, tasks)
             row = {
-                **record.model_dump(include={"name", "method", "settings", "disk_bytes", "memory_bytes"}),
-                **record.model_dump(include={"export_valid", "max_abs_logit_diff", "hf_export", "details"}),
+                **record.model_dump(include=ROW_FIELDS),
                 "build_seconds": record.seconds,
                 "eval_seconds": time.perf_counter() - t0,
                 "bits_per_param": 8 * record.disk_bytes / compressed.parameters,
