@@ -37,7 +37,7 @@ from training.variants import load_variant
 FRONTIER_VERSION = 1
 LOSS = "heldout/all/loss"
 BPB = "heldout/all/bits_per_byte"
-ROW_FIELDS = {
+ROW_FIELDS = {  # what a frontier row repeats from the variant's record
     "name",
     "method",
     "settings",
@@ -45,8 +45,9 @@ ROW_FIELDS = {
     "memory_bytes",
     "export_valid",
     "max_abs_logit_diff",
+    "hf_export",
+    "details",
 }
-ROW_FIELDS |= {"hf_export", "details"}  # what a frontier row repeats from the variant's record
 
 
 class FrontierSpec(BaseModel):
