@@ -76,7 +76,7 @@ def register(
     if ref.mlflow_run_id is None:
         raise ValueError("tracking is disabled (tracking.enabled=false); nothing to register into")
     uri = tracking_uri(tracking, output_dir)
-    client = mlflow.MlflowClient(uri)
+    client = mlflow.MlflowClient(uri, registry_uri=uri)  # never a registry some earlier call set process-wide
     existing = _version_of(client, registered_name, ref.run_dir)
     if existing is not None:  # a rerun of a finished pipeline: the same model is already registered
         aliases = [a for a in existing.aliases if a == alias]

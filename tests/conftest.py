@@ -30,15 +30,19 @@ for _name in ISOLATED_ENV:
 
 @pytest.fixture(autouse=True)
 def _isolated_tracking_uri():
-    """`mlflow.set_tracking_uri` in one test (it also writes MLFLOW_TRACKING_URI) must not reach the next."""
+    """`mlflow.set_tracking_uri` / `set_registry_uri` in one test (they also write MLFLOW_TRACKING_URI and
+    MLFLOW_REGISTRY_URI) must not reach the next."""
     yield
     os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.environ.pop("MLFLOW_REGISTRY_URI", None)
     import sys
 
     if "mlflow" in sys.modules:
+        from mlflow.tracking._model_registry import utils as registry
         from mlflow.tracking._tracking_service import utils
 
         utils._tracking_uri = None
+        registry._registry_uri = None
 
 
 @pytest.fixture
