@@ -25,6 +25,7 @@ from evaluation.scaling_report import ScalingFit
 from flows.recipe import ConfigError, Recipe
 from flows.runner import ItemProgress, Runner, StepProgress, T, TrialProgress
 from training.compress_stage import Compressed
+from training.compress_stage import check as check_compress
 from training.distill import Teacher
 from training.preference import ReferenceLogps
 from training.stage import TrainedModel
@@ -289,9 +290,9 @@ def compressed(
     if base is None:
         base, examples = finetuned(recipe, run)
         sft_heldout = sft_heldout or str(Path(examples.path) / "heldout.jsonl")
-    from training.compress_stage import check
-
-    check(recipe.compress_spec(), base, data)  # bad settings end in one line before any progress bar starts
+    check_compress(
+        recipe.compress_spec(), base, data
+    )  # bad settings end in one line before any progress bar starts
     progress = run.items("compress", len(recipe.compress.variants))
     variants = timed(times, "compress", run, compress, recipe, base, data, progress=progress)
     progress = run.items("frontier", len(variants.variants) + 1)
