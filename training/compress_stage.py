@@ -24,7 +24,7 @@ from data_pipeline.loader import PackedLoader
 from data_pipeline.shards import DatasetManifest
 from data_pipeline.sources import DataError
 from infra.steps import Artifact, Step, run_step
-from infra.storage import atomic_write_json, damaged_file, file_records
+from infra.storage import atomic_write_json, damaged_file, sha256_file
 from infra.tracking import TrackingConfig
 from training.compress import model_bytes
 from training.export import export_damage, read_verification
@@ -179,11 +179,20 @@ def record_of(
         export_valid=bool(verification["valid"]),
         max_abs_logit_diff=float(verification["max_abs_logit_diff"]),
         disk_bytes=sum(f.stat().st_size for f in weight_files(out)),
-        files={k: v for k, v in file_records(out).items() if k in (FACTORS, PACKED)},
+        files=own_storage_records(out),
         memory_bytes=memory,
         seconds=seconds,
         details=details,
     )
+
+
+def own_storage_records(out: Path) -> dict[str, dict[str, Any]]:
+    """{name: {bytes, sha256}} of the variant's own storage files (the export keeps its own records)."""
+    return {
+        path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        for path in (out / FACTORS, out / PACKED)
+        if path.is_file()
+    }
 
 
 def check(spec: CompressSpec, base: TrainedModel, data: DatasetManifest) -> None:

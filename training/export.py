@@ -94,18 +94,14 @@ def export_hf(
 
     hf_logging.disable_progress_bar()  # one bar per tiny shard only clutters the logs
 
-    staging = out.with_name(out.name + ".tmp")
-    if staging.exists():
-        shutil.rmtree(staging)
+    staging = fresh_staging(out)
     hf_model = build_hf_model(cfg)
     hf_model.load_state_dict(to_hf_state_dict(state_dict, cfg), strict=True)
     if tokenizer_dir is not None:
         set_special_tokens(hf_model, Path(tokenizer_dir))
     hf_model.save_pretrained(str(staging), safe_serialization=True)
     if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copy(Path(tokenizer_dir) / name, staging / name)
+        copy_tokenizer_files(Path(tokenizer_dir), staging)
 
     ours = Transformer(cfg, seed=None)
     ours.load_state_dict(state_dict, strict=True)
@@ -132,6 +128,26 @@ def export_hf(
             "engine_tolerance": engine.tolerance,
             "valid": verification["valid"] and relative <= engine.tolerance,
         }
+    return publish_export(staging, out, verification)
+
+
+def fresh_staging(out: Path) -> Path:
+    """`<out>.tmp`, emptied: where an export is written before it is verified and moved into place."""
+    staging = out.with_name(out.name + ".tmp")
+    if staging.exists():
+        shutil.rmtree(staging)
+    return staging
+
+
+def copy_tokenizer_files(tokenizer_dir: Path, staging: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, staging / name)
+
+
+def publish_export(staging: Path, out: Path, verification: dict) -> dict:
+    """Record the verification in the staged export, then move it to `out` (replacing an older one): an export
+    directory without `export.json` is never one that finished."""
     atomic_write_json(staging / "export.json", verification)
     if out.exists():
         shutil.rmtree(out)

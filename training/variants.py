@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from infra.storage import atomic_write_json, file_records
+from infra.storage import file_records
 from training import prune
 from training.compress import (
     factorize_model,
@@ -35,7 +34,14 @@ from training.compress import (
     torchao_config,
     torchao_model,
 )
-from training.export import TOKENIZER_FILES, TOLERANCE, export_hf, probe_tokens
+from training.export import (
+    TOLERANCE,
+    copy_tokenizer_files,
+    export_hf,
+    fresh_staging,
+    probe_tokens,
+    publish_export,
+)
 from training.hf_interop import load_export, load_hf_config, load_weights
 from training.lowrank import LowRankLinear, rank_for_energy
 from training.model import ModelConfig, Transformer
@@ -141,17 +147,23 @@ def check_shapes(cfg: ModelConfig, variants: list[VariantConfig]) -> None:
             for name, layer in linear_layers(Transformer(cfg, seed=None)).items()
         }
     for variant in variants:
-        s = variant.settings()
         for name, (m, n) in shapes.items():
-            problem = None
-            if "group_size" in s and n % s["group_size"]:
-                problem = f"group size {s['group_size']} does not divide its {n} input columns; pick a divisor of {n}"
-            elif s.get("pattern") == "2:4" and n % 4:
-                problem = f"2:4 pruning needs the input dimension ({n}) divisible by 4"
-            elif s.get("rank", 0) > min(m, n):
-                problem = f"lowrank rank {s['rank']} is above min(m, n) = {min(m, n)} of its {m}x{n} weight"
-            if problem:
+            if problem := shape_problem(variant.settings(), m, n):
                 raise ValueError(f"compress.variants {variant.name}: {name}: {problem}")
+
+
+def shape_problem(settings: dict[str, Any], m: int, n: int) -> str | None:
+    """What a (m, n) weight cannot take of a variant's settings, with the fix, or None."""
+    if "group_size" in settings and n % settings["group_size"]:
+        return f"group size {settings['group_size']} does not divide its {n} input columns; pick a divisor of {n}"
+    if settings.get("pattern") == "2:4" and n % 4:
+        return f"2:4 pruning needs the input dimension ({n}) divisible by 4"
+    if settings.get("rank", 0) > min(m, n):
+        return (
+            f"lowrank rank {settings['rank']} is above min(m, n) = {min(m, n)} of its {m}x{n} weight; pick a rank "
+            f"up to {min(m, n)}"
+        )
+    return None
 
 
 def lowrank_ranks(model: nn.Module, settings: dict[str, Any]) -> dict[str, int | None]:
@@ -180,11 +192,8 @@ def lowrank_ranks(model: nn.Module, settings: dict[str, Any]) -> dict[str, int |
     for name, layer in layers.items():
         m, n = layer.weight.shape
         if "rank" in settings:
-            if settings["rank"] > min(m, n):
-                raise ValueError(
-                    f"{name}: lowrank rank {settings['rank']} is above min(m, n) = {min(m, n)} of its {m}x{n} weight; "
-                    f"pick a rank up to {min(m, n)}"
-                )
+            if problem := shape_problem(settings, m, n):
+                raise ValueError(f"{name}: {problem}")
             ranks[name] = settings["rank"]
         elif "energy" in settings:
             ranks[name] = rank_for_energy(torch.linalg.svdvals(layer.weight.double()), settings["energy"])
@@ -240,9 +249,7 @@ def export_quantized(model: Transformer, hf_config: Any, base_export: Path, out:
     inner config) and verify it: reloaded with `from_pretrained`, its logits must match `model`'s."""
     from transformers import AutoModelForCausalLM, TorchAoConfig
 
-    staging = out.with_name(out.name + ".tmp")
-    if staging.exists():
-        shutil.rmtree(staging)
+    staging = fresh_staging(out)
     hf = AutoModelForCausalLM.from_pretrained(
         str(base_export), dtype=torch.float32, quantization_config=TorchAoConfig(hf_config)
     )
@@ -251,9 +258,7 @@ def export_quantized(model: Transformer, hf_config: Any, base_export: Path, out:
     ).items():  # ours, not a re-quantization (GPTQ's codes are not RTN's)
         hf.get_submodule(name).weight = nn.Parameter(layer.weight.detach(), requires_grad=False)
     hf.save_pretrained(str(staging), safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (base_export / name).is_file():
-            shutil.copy(base_export / name, staging / name)
+    copy_tokenizer_files(base_export, staging)
     loaded = AutoModelForCausalLM.from_pretrained(
         str(staging), dtype=torch.float32, attn_implementation="eager"
     )
@@ -276,11 +281,7 @@ def export_quantized(model: Transformer, hf_config: Any, base_export: Path, out:
         "quantization": type(hf_config).__name__,
         "files": file_records(staging),
     }
-    atomic_write_json(staging / "export.json", verification)
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
-    return verification
+    return publish_export(staging, out, verification)
 
 
 def same_quantized(ours: Tensor, theirs: Tensor) -> bool:
