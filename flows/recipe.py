@@ -25,6 +25,7 @@ from infra.config import Change, ConfigError, apply_overrides, parse_override
 from infra.tracking import TrackingConfig
 from training.compress_stage import CompressConfig, CompressSpec
 from training.config import (
+    MATRIX_OPTIMIZERS,
     DistillConfig,
     DPOConfig,
     FinetuneConfig,
@@ -45,6 +46,28 @@ from training.sweep import SweepSpec
 __all__ = ["ConfigError", "Recipe", "apply_overrides", "load_recipe", "parse_override", "validate_recipe"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def check_matrix_optimizer(prefix: str, optim: OptimConfig, par: ParallelConfig, model: ModelConfig) -> None:
+    """Matrix optimisers need whole matrices (ZeRO-0), one learning rate per group (no μP) and, for K-FAC, gradients
+    free of fp16's dynamic loss scale (its output-gradient factor would carry it)."""
+    if optim.name not in MATRIX_OPTIMIZERS:
+        return
+    if par.zero_stage >= 1:
+        raise ValueError(
+            f"{prefix}.name={optim.name} preconditions whole matrices, but under ZeRO-{par.zero_stage} DeepSpeed hands "
+            f"the optimiser flat 1-D partitions (it would silently become a diagonal method); set "
+            f"parallel.zero_stage=0 or {prefix}.name=adamw"
+        )
+    if model.mup is not None:
+        raise ValueError(
+            f"{prefix}.name={optim.name} with model.mup: μP's per-width learning rates need {prefix}.name=adamw"
+        )
+    if optim.name == "kfac" and par.precision == "fp16":
+        raise ValueError(
+            f"{prefix}.name=kfac with parallel.precision=fp16: K-FAC's gradient factor would carry fp16's dynamic "
+            "loss scale; use parallel.precision=bf16 or fp32"
+        )
 
 
 class Recipe(BaseModel):
@@ -90,6 +113,7 @@ class Recipe(BaseModel):
             ("dpo.optim", self.dpo.optim),
         )
         for prefix, optim in (*optims, ("distill.optim", self.distill.optim)):
+            check_matrix_optimizer(prefix, optim, par, self.model)
             if optim.name == "muon" and optim.grad_clip > 0 and par.zero_stage >= 1:
                 raise ValueError(
                     f"{prefix}.name=muon with {prefix}.grad_clip={optim.grad_clip} under ZeRO-{par.zero_stage}: "

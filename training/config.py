@@ -21,13 +21,21 @@ from pydantic import (
 
 from infra.tracking import TrackingConfig
 
+# Optimisers that precondition whole matrices: they take the blocks' 2-D weights (AdamW the rest) and need to see
+# them as matrices, so neither ZeRO's flat partitions nor μP's per-group rates apply (training/matrix_optim.py).
+MATRIX_OPTIMIZERS = ("soap", "shampoo", "kron", "kfac")
+MATRIX_SETTINGS = ("matrix_lr", "precondition_every", "damping")
+
 
 class OptimConfig(BaseModel):
-    """Optimiser and learning-rate schedule (AdamW, or Muon on 2-D hidden matrices with AdamW for the rest)."""
+    """Optimiser and learning-rate schedule: AdamW; Muon on 2-D hidden matrices with AdamW for the rest; or a
+    matrix preconditioner (SOAP, Shampoo, PSGD-Kron from pytorch-optimizer, or lmforge's K-FAC) on the blocks'
+    matrices with AdamW for the rest, at `matrix_lr` (default `lr`), refreshing its preconditioner every
+    `precondition_every` steps; `damping` is K-FAC's λ and Shampoo's matrix ε."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: Literal["adamw", "muon"] = "adamw"
+    name: Literal["adamw", "muon", "soap", "shampoo", "kron", "kfac"] = "adamw"
     lr: PositiveFloat = 3e-3
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     weight_decay: NonNegativeFloat = 0.1
@@ -37,12 +45,25 @@ class OptimConfig(BaseModel):
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: NonNegativeInt = 10
     decay_fraction: float = Field(default=0.2, gt=0.0, le=1.0)  # WSD: share of steps spent decaying
+    matrix_lr: PositiveFloat | None = None  # matrix optimisers: peak learning rate of the matrices (None: lr)
+    precondition_every: PositiveInt = 10  # matrix optimisers: steps between preconditioner refreshes
+    damping: PositiveFloat = 1e-3  # K-FAC's Tikhonov λ; Shampoo's ε added to its statistics
 
     @model_validator(mode="after")
     def _check_betas(self) -> OptimConfig:
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas={self.betas} must both lie in [0, 1)")
+        stray = [k for k in MATRIX_SETTINGS if getattr(self, k) != OptimConfig.model_fields[k].default]
+        if stray and self.name not in MATRIX_OPTIMIZERS:
+            raise ValueError(
+                f"{', '.join(stray)}: a setting of the matrix optimisers ({', '.join(MATRIX_OPTIMIZERS)}) only, "
+                f"not of name={self.name}; remove it or pick one of those optimisers"
+            )
         return self
+
+    def matrix_lr_mult(self) -> float:
+        """The matrices' learning rate relative to `lr` (matrix optimisers)."""
+        return (self.matrix_lr or self.lr) / self.lr
 
 
 class ParallelConfig(BaseModel):

@@ -3,7 +3,9 @@ schedules as pure functions of the config. A new optimiser touches `OptimConfig.
 
 AdamW (Loshchilov & Hutter 2019) with decoupled weight decay on matrices only: no decay on norms, biases or the
 embedding. Muon (Jordan et al. 2024) is DeepSpeed's: it takes every matrix but the embedding and the head
-(DeepSpeed tags them itself) and runs AdamW on the rest, keeping these two groups' weight decay. Schedules: linear warmup, then cosine decay to
+(DeepSpeed tags them itself) and runs AdamW on the rest, keeping these two groups' weight decay. The matrix
+optimisers (SOAP, Shampoo, PSGD-Kron, K-FAC: `training/matrix_optim.py`) take the blocks' 2-D weights as a
+`matrix` group at `matrix_lr`, with AdamW on the rest. Schedules: linear warmup, then cosine decay to
 `min_lr_ratio · lr` (Loshchilov & Hutter 2017), or warmup-stable-decay with a linear decay over the last
 `decay_fraction` of steps (Hu et al. 2024, MiniCPM).
 """
@@ -17,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.config import OptimConfig
+from training.config import MATRIX_OPTIMIZERS, OptimConfig
+from training.matrix_optim import MATRIX_GROUP, build_chain
 from training.model import is_hidden
 
 
@@ -26,18 +29,32 @@ def no_decay(name: str, param: nn.Parameter) -> bool:
     return param.ndim < 2 or "norm" in name or "embed_tokens" in name
 
 
+def is_block_matrix(name: str, param: nn.Parameter) -> bool:
+    """A 2-D weight inside the blocks (also under a PEFT wrapper's prefix): what matrix optimisers take."""
+    return param.ndim == 2 and ".layers." in f".{name}"
+
+
 def param_groups(model: nn.Module, cfg: OptimConfig, hidden_lr_mult: float = 1.0) -> list[dict]:
     """Weight-decayed matrices and everything else (no decay); with `hidden_lr_mult` ≠ 1 (μP), the matrices
-    inside the blocks form a third group whose `lr_mult` scales the schedule's learning rate."""
-    hidden, decay, plain = [], [], []
+    inside the blocks form a third group whose `lr_mult` scales the schedule's learning rate; a matrix optimiser's
+    matrices form the `matrix` group at `matrix_lr`."""
+    hidden, decay, plain, matrix = [], [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         if no_decay(name, param):
             plain.append(param)
+        elif cfg.name in MATRIX_OPTIMIZERS and is_block_matrix(name, param):
+            matrix.append(param)
         else:
             (hidden if hidden_lr_mult != 1.0 and is_hidden(name) else decay).append(param)
     groups = [
+        {
+            "name": MATRIX_GROUP,
+            "params": matrix,
+            "weight_decay": cfg.weight_decay,
+            "lr_mult": cfg.matrix_lr_mult(),
+        },
         {"name": "hidden", "params": hidden, "weight_decay": cfg.weight_decay, "lr_mult": hidden_lr_mult},
         {"name": "decay", "params": decay, "weight_decay": cfg.weight_decay, "lr_mult": 1.0},
         {"name": "no_decay", "params": plain, "weight_decay": 0.0, "lr_mult": 1.0},
@@ -51,9 +68,11 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_mult", 1.0)
 
 
-# fp32 bytes of optimiser state per trained parameter (AdamW: two moments; Muon: one momentum on the matrices
-# it owns, which are nearly all of a model's parameters).
-STATE_BYTES: dict[str, int] = {"adamw": 8, "muon": 4}
+# fp32 bytes of elementwise optimiser state per trained parameter (AdamW: two moments; Muon, Kron, K-FAC: one
+# momentum on the matrices they own, which are nearly all of a model's parameters; SOAP: Adam's two moments;
+# Shampoo: momentum and the RMSProp graft's second moment). Matrix optimisers add per-matrix factors
+# (`training.accounting.preconditioner_bytes`).
+STATE_BYTES: dict[str, int] = {"adamw": 8, "muon": 4, "soap": 8, "shampoo": 8, "kron": 4, "kfac": 4}
 
 
 @dataclass(frozen=True)
@@ -63,8 +82,17 @@ class BuiltByDeepSpeed:
     config: dict[str, Any]
 
 
-def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer | BuiltByDeepSpeed:
-    """The optimiser over `groups` (from `param_groups`, possibly split further by the engine)."""
+def build_optimizer(
+    groups: list[dict], cfg: OptimConfig, model: nn.Module | None = None, grad_scale: float = 1.0
+) -> torch.optim.Optimizer | BuiltByDeepSpeed:
+    """The optimiser over `groups` (from `param_groups`, possibly split further by the engine); matrix
+    optimisers also need the `model` (K-FAC hooks its layers) and the gradient accumulation (`grad_scale`)."""
+    if cfg.name in MATRIX_OPTIMIZERS:
+        if model is None:
+            raise ValueError(f"optim.name={cfg.name} needs the model to build its optimiser")
+        if any(g.get("lr_mult", 1.0) != 1.0 for g in groups if g["name"] != MATRIX_GROUP):
+            raise ValueError(f"μP's per-width learning rates need optim.name=adamw, not {cfg.name}")
+        return build_chain(groups, cfg, model, grad_scale)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
     if cfg.name == "muon":

@@ -185,3 +185,18 @@ def test_muon_with_clipping_under_zero_is_refused():
     assert "finetune.optim.grad_clip=0" in bad(["finetune.optim.name=muon", "parallel.zero_stage=2"])
     load_recipe("smoke", ["optim.name=muon", "optim.grad_clip=0", "parallel.zero_stage=1"])
     load_recipe("smoke", ["optim.name=muon", "parallel.zero_stage=0"])  # ZeRO-0: clipping precedes Muon
+
+
+@pytest.mark.parametrize("name", ["soap", "shampoo", "kron", "kfac"])
+def test_matrix_optimisers_under_zero_are_refused(name: str) -> None:
+    message = bad([f"optim.name={name}", "parallel.zero_stage=2"])
+    assert "flat 1-D partitions" in message and "parallel.zero_stage=0" in message
+    finetune = bad([f"finetune.optim.name={name}", "parallel.zero_stage=1"])
+    assert finetune.startswith("finetune.optim.name=") or "finetune.optim.name=" in finetune
+
+
+def test_matrix_settings_need_a_matrix_optimiser_and_kfac_refuses_fp16() -> None:
+    assert "a setting of the matrix optimisers" in bad(["optim.matrix_lr=0.01"])
+    assert "loss scale" in bad(["optim.name=kfac", "parallel.precision=fp16"])
+    assert "μP" in bad(["optim.name=soap", "model.mup.base_width=32"])
+    assert load_recipe("smoke", ["optim.name=kfac", "optim.damping=0.01"]).optim.damping == 0.01

@@ -125,7 +125,7 @@ def build_engine(
 
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     config = deepspeed_config(parallel, optim, train)
-    optimizer = build_optimizer(groups, optim)
+    optimizer = build_optimizer(groups, optim, model, float(train.grad_accum_steps(parallel.world_size)))
     if isinstance(optimizer, BuiltByDeepSpeed):
         config["optimizer"] = optimizer.config
         ds, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
