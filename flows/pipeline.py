@@ -106,6 +106,11 @@ class PipelineParams(RecipeParams):
         True, title="Register", description="log the final model to the MLflow registry"
     )
 
+    @model_validator(mode="after")
+    def _layout(self) -> PipelineParams:
+        stages.check_pipeline(self.load(), self.options())
+        return self
+
     def options(self) -> stages.PipelineOptions:
         return stages.PipelineOptions(
             size=self.size,

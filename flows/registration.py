@@ -7,8 +7,10 @@ from evaluation.gates import gate_results
 from evaluation.report import EvalReport
 from evaluation.scaling_report import ScalingFit
 from flows.recipe import Recipe
+from infra.errors import UserError
 from infra.registry import RegisteredVersion, register
 from training.compress_stage import Compressed
+from training.hf_interop import load_hf_config, no_llama_layout
 from training.stage import TrainedModel
 from training.variants import QUANTIZED
 
@@ -23,7 +25,10 @@ def register_final(
 ) -> RegisteredVersion:
     """Gate the model (`candidate` in the report, default its last model) against `base_name`; register it
     (alias only when every gate passes), tagged with whether the scaling law's prediction for its pretrained
-    base held."""
+    base held. A model without a Llama layout is refused: the registry serves Hugging Face models."""
+    cfg = load_hf_config(ref.hf_export)
+    if not cfg.has_llama_layout:
+        raise UserError(f"{ref.path}: not registered: {no_llama_layout(cfg)}; the registry serves Hugging Face models")
     candidate = candidate or list(report.models)[-1]
     gates, skipped = gate_results(report, candidate, base_name, ref, recipe.eval)
     name = recipe.eval.register_name or f"lmforge-{recipe.name.removesuffix('-optimal')}"

@@ -326,6 +326,16 @@ def timed(times: dict[str, float], name: str, run: Runner, fn: Callable[..., T],
     return result
 
 
+def check_pipeline(recipe: Recipe, options: PipelineOptions) -> None:
+    """Registration and compression need a Hugging Face layout: refuse them for linear or FAVOR+ attention."""
+    if not recipe.model.has_llama_layout and (options.register_model or options.compress):
+        raise ConfigError(
+            f"model.attention={recipe.model.attention} has no Hugging Face layout, which registering and "
+            "compressing need; run the pipeline with register_model off (--no-register) and without --compress, "
+            "or use model.attention=softmax"
+        )
+
+
 def pipeline(
     recipe: Recipe,
     options: PipelineOptions,
@@ -337,6 +347,7 @@ def pipeline(
     from flows.lineage import record_fit, record_register, record_tokenize
     from flows.scaling import fit_dir, size_for_budget, target_budget
 
+    check_pipeline(recipe, options)
     times: dict[str, float] = {}
     summary: dict[str, Any] = {}
     data = timed(times, "tokenize", run, tokens, recipe)

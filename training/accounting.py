@@ -3,7 +3,8 @@
 Parameter counts come from the model itself, built on the meta device (no memory) and classified by parameter
 name, so they cannot drift from the module; they are tested against `transformers` and published counts. FLOPs follow Kaplan et al. 2020
 (6 FLOPs per matmul parameter per trained token) plus the attention term of Chowdhery et al. 2022 (PaLM,
-App. B): 12·L·H·D·T per token, counting the full T×T score matrix (a causal-exact count would halve it).
+App. B): 12·L·H·D·T per token, counting the full T×T score matrix (a causal-exact count would halve it);
+linear attention's term does not grow with T (`attention_flops`).
 Matmul parameters include the LM head (its matmul runs even when tied to the embedding) and exclude the
 embedding lookup. MoE counts only the top-k experts a token visits (active parameters).
 
@@ -22,6 +23,7 @@ from typing import Literal
 
 import torch
 
+from training.linear_attention import CHUNK
 from training.model import ModelConfig, Transformer
 from training.optim import STATE_BYTES
 
@@ -109,10 +111,20 @@ class FlopsPerToken:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
     params = count_parameters(cfg)
-    return FlopsPerToken(
-        matmul=6 * params.matmul_active,
-        attention=12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len,
-    )
+    return FlopsPerToken(matmul=6 * params.matmul_active, attention=attention_flops(cfg, seq_len))
+
+
+def attention_flops(cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token of attention beyond its projections (3× the forward). Softmax: scores and mixing,
+    4·D·T per head. Linear attention as `causal_linear_attention` runs it, per head and token with M features
+    and chunks of c = min(64, T): the within-chunk scores and mixing 2cM + 2cD, the state readout and update
+    4MD, and for FAVOR+ the projection of q and k, 4MD more: constant in T."""
+    L, H, D = cfg.n_layers, cfg.n_heads, cfg.head_dim
+    if cfg.attention == "softmax":
+        return 12 * L * H * D * seq_len
+    M, c = cfg.feature_dim, min(CHUNK, seq_len)
+    forward = 2 * c * M + 2 * c * D + 4 * M * D + (4 * M * D if cfg.attention == "favor" else 0)
+    return 3 * L * H * forward
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,25 @@ def state_bytes_per_param(precision: Precision, optimizer: str = "adamw") -> tup
     return (4, 4, state) if precision == "fp32" else (2, 2, 4 + state)
 
 
+# fp32 (m × m and n × n)-sized matrices a matrix optimiser keeps per m × n block matrix: SOAP its two statistics
+# and their eigenbases, Shampoo its statistics and inverse roots, Kron its two factors, K-FAC A, G and inverses.
+FACTORS_PER_SIDE: dict[str, int] = {"soap": 2, "shampoo": 2, "kron": 1, "kfac": 2}
+
+
+def preconditioner_bytes(cfg: ModelConfig, optimizer: str) -> int:
+    """Bytes of a matrix optimiser's per-matrix factors over the blocks' 2-D weights (0 for elementwise ones)."""
+    if optimizer not in FACTORS_PER_SIDE:
+        return 0
+    with torch.device("meta"):
+        model = Transformer(cfg, seed=None)
+    sides = sum(
+        p.shape[0] ** 2 + p.shape[1] ** 2
+        for name, p in model.named_parameters()
+        if p.ndim == 2 and name.startswith("model.layers.")
+    )
+    return 4 * FACTORS_PER_SIDE[optimizer] * sides
+
+
 def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bool) -> tuple[int, int]:
     """(elements saved for backward per token in all layers, fp32 logit elements per token).
 
@@ -153,6 +184,8 @@ def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bo
         if cfg.moe is not None and cfg.is_moe_layer(i):
             ffn = cfg.moe.top_k * (3 * C + 4 * cfg.moe.d_ff_expert) + 2 * cfg.moe.n_experts
         per_layer.append(6 * C + 2 * HD + 2 * GD + ffn)
+        if cfg.attention != "softmax":  # q and k features and a chunk's scores (an estimate, not checked)
+            per_layer[-1] += 2 * cfg.n_heads * cfg.feature_dim + cfg.n_heads * min(CHUNK, cfg.max_seq_len)
     layers = cfg.n_layers * C + max(per_layer) if activation_checkpointing else sum(per_layer)
     return layers + 3 * C, cfg.vocab_size
 
@@ -188,13 +221,16 @@ def training_memory(
     return MemoryEstimate(
         weights=per_device(w, zero_stage >= 3),
         gradients=per_device(g, zero_stage >= 2),
-        optimizer=per_device(o, zero_stage >= 1),
+        optimizer=per_device(o, zero_stage >= 1) + preconditioner_bytes(cfg, optimizer),
         activations=tokens * (elements * BYTES_PER_ELEMENT[precision] + fp32_logits * 4),
     )
 
 
 def kv_cache_bytes(cfg: ModelConfig, batch: int, seq_len: int, precision: Precision = "bf16") -> int:
-    """Inference KV cache: keys and values of every layer, kv heads only (GQA shrinks it by n_heads/n_kv_heads)."""
+    """Inference KV cache: keys and values of every layer, kv heads only (GQA shrinks it by n_heads/n_kv_heads);
+    linear attention keeps fp32 running sums instead, S (M × D) and z (M) per head, whatever the length."""
+    if cfg.attention != "softmax":
+        return 4 * cfg.n_layers * cfg.n_heads * (cfg.feature_dim * cfg.head_dim + cfg.feature_dim) * batch
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * seq_len * batch * BYTES_PER_ELEMENT[precision]
 
 

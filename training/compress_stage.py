@@ -28,7 +28,7 @@ from infra.storage import atomic_write_json, damaged_file, sha256_file
 from infra.tracking import TrackingConfig
 from training.compress import model_bytes
 from training.export import export_damage, read_verification
-from training.hf_interop import load_export, load_hf_config
+from training.hf_interop import load_export, load_hf_config, no_llama_layout
 from training.stage import TrainedModel
 from training.variants import (
     FACTORS,
@@ -205,6 +205,8 @@ def check(spec: CompressSpec, base: TrainedModel, data: DatasetManifest) -> None
         )
     data.check_tokenizer(base.tokenizer_digest)
     cfg = load_hf_config(base.hf_export)
+    if not cfg.has_llama_layout:
+        raise DataError(f"{base.path}: {no_llama_layout(cfg)}; compressed variants are Hugging Face exports")
     try:
         check_shapes(cfg, spec.compress.variants)
     except ValueError as error:

@@ -4,7 +4,9 @@ The export is loaded back with `AutoModelForCausalLM.from_pretrained` and its lo
 compared with our model's; the maximum absolute difference is recorded in `export.json`, and an export above the
 tolerance is marked invalid (and must never be registered). That comparison starts from the same state dict, so
 it cannot see a wrong ZeRO gather or expert reassembly: with an `EngineCheck`, the exported weights must also
-reproduce the trained engine's own validation loss on the same batches.
+reproduce the trained engine's own validation loss on the same batches. A model without a Llama layout (linear
+or FAVOR+ attention) is exported in lmforge's own layout instead (`export_native`), verified the same way with
+lmforge loading it back.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from data_pipeline.config import END_OF_TURN
 from data_pipeline.loader import IGNORE_INDEX, Batch
 from data_pipeline.tokenizer import describe
 from infra.storage import atomic_write_json, damaged_file, file_records
-from training.hf_interop import build_hf_model, to_hf_state_dict
+from training.hf_interop import NATIVE_CONFIG, build_hf_model, load_export, to_hf_state_dict
 from training.model import ModelConfig, Transformer
 
 TOLERANCE = 1e-4  # fp32 logits; the parity tests see ~1e-7
@@ -95,19 +97,25 @@ def export_hf(
     hf_logging.disable_progress_bar()  # one bar per tiny shard only clutters the logs
 
     staging = fresh_staging(out)
-    hf_model = build_hf_model(cfg)
-    hf_model.load_state_dict(to_hf_state_dict(state_dict, cfg), strict=True)
-    if tokenizer_dir is not None:
-        set_special_tokens(hf_model, Path(tokenizer_dir))
-    hf_model.save_pretrained(str(staging), safe_serialization=True)
+    if cfg.has_llama_layout:
+        hf_model = build_hf_model(cfg)
+        hf_model.load_state_dict(to_hf_state_dict(state_dict, cfg), strict=True)
+        if tokenizer_dir is not None:
+            set_special_tokens(hf_model, Path(tokenizer_dir))
+        hf_model.save_pretrained(str(staging), safe_serialization=True)
+    else:
+        export_native(state_dict, cfg, staging)
     if tokenizer_dir is not None:
         copy_tokenizer_files(Path(tokenizer_dir), staging)
 
     ours = Transformer(cfg, seed=None)
     ours.load_state_dict(state_dict, strict=True)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(staging), dtype=torch.float32, attn_implementation="eager"
-    )
+    if cfg.has_llama_layout:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(staging), dtype=torch.float32, attn_implementation="eager"
+        )
+    else:
+        loaded = load_export(staging)
     tokens = probe_tokens(cfg)
     with torch.no_grad():
         difference = float((ours.eval()(tokens).logits - loaded.eval()(tokens).logits).abs().max())
@@ -116,6 +124,7 @@ def export_hf(
         "tolerance": TOLERANCE,
         "valid": difference <= TOLERANCE,
         "architecture": type(loaded).__name__,
+        "layout": "huggingface" if cfg.has_llama_layout else "lmforge",
         "files": file_records(staging),  # checked by `export_damage` before anyone loads it
     }
     if engine is not None:
@@ -129,6 +138,16 @@ def export_hf(
             "valid": verification["valid"] and relative <= engine.tolerance,
         }
     return publish_export(staging, out, verification)
+
+
+def export_native(state_dict: dict[str, Tensor], cfg: ModelConfig, staging: Path) -> None:
+    """lmforge's own layout, for models Hugging Face cannot express: the ModelConfig and the state dict (FAVOR+
+    projections included) as safetensors."""
+    from safetensors.torch import save_file
+
+    staging.mkdir(parents=True)
+    save_file({k: v.detach().clone() for k, v in state_dict.items()}, str(staging / "model.safetensors"))
+    atomic_write_json(staging / NATIVE_CONFIG, cfg.model_dump(mode="json"))
 
 
 def fresh_staging(out: Path) -> Path:

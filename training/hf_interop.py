@@ -5,7 +5,9 @@ identity: `model.embed_tokens.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_pro
 `model.layers.{i}.mlp.{gate,up,down}_proj.weight` (dense) or `model.layers.{i}.mlp.gate.weight`,
 `mlp.experts.gate_up_proj` (E, 2I, H; gate rows first) and `mlp.experts.down_proj` (E, H, I) (MoE, transformers
 v5 layout), `input_layernorm`, `post_attention_layernorm`, `model.norm.weight`, `lm_head.weight`.
-A model that mixes dense and MoE layers has no Mixtral equivalent and is refused.
+A model that mixes dense and MoE layers has no Mixtral equivalent and is refused, as is one with linear or
+FAVOR+ attention (`ModelConfig.has_llama_layout`): those are exported in lmforge's own layout (`NATIVE_CONFIG`
+beside the safetensors, no config.json), which lmforge loads and Hugging Face does not.
 """
 
 from __future__ import annotations
@@ -27,10 +29,20 @@ from training.moe import MoEConfig
 log = logging.getLogger(__name__)
 
 SUPPORTED_HF_TYPES = ("llama", "mixtral")
+NATIVE_CONFIG = "lmforge_model.json"  # an export in lmforge's own layout: our ModelConfig, no config.json
+
+
+def no_llama_layout(cfg: ModelConfig) -> str:
+    return (
+        f"model.attention={cfg.attention} has no Hugging Face Llama layout (Llama computes softmax attention); "
+        "its export is in lmforge's own layout, loadable by lmforge only"
+    )
 
 
 def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict[str, Any]]:
     """(model_type, keyword arguments for LlamaConfig or MixtralConfig) equivalent to `cfg`."""
+    if not cfg.has_llama_layout:
+        raise ValueError(no_llama_layout(cfg))
     common: dict[str, Any] = {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -139,8 +151,11 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
 
 
 def load_hf_config(path: str | Path) -> ModelConfig:
-    """Read a Hugging Face `config.json` (or a directory holding one) into a ModelConfig."""
+    """Read a Hugging Face `config.json` (or a directory holding one, or an export in lmforge's own layout) into a
+    ModelConfig."""
     path = Path(path)
+    if path.is_dir() and (path / NATIVE_CONFIG).is_file():
+        return ModelConfig.model_validate_json((path / NATIVE_CONFIG).read_text())
     if path.is_dir():
         path = path / "config.json"
     try:
@@ -155,7 +170,7 @@ def load_hf_config(path: str | Path) -> ModelConfig:
 
 
 def load_export(export_dir: str | Path) -> Transformer:
-    """Our Transformer with the weights of a Hugging Face export (names are identical; tied heads re-tied)."""
+    """Our Transformer with the weights of an export (Hugging Face names are ours; tied heads re-tied)."""
     export_dir = Path(export_dir)
     cfg = load_hf_config(export_dir)
     state: dict[str, torch.Tensor] = {}

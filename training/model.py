@@ -3,6 +3,9 @@
 References: Vaswani et al. 2017 (transformer); Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoPE, here in
 the Hugging Face `rotate_half` layout, so q/k need no permutation on export); Ainslie et al. 2023 (grouped-query
 attention); Shazeer 2020 (SwiGLU); Touvron et al. 2023 (Llama block layout). MoE layers: see `training/moe.py`.
+`attention: linear | favor` swaps softmax attention for causal linear attention (elu + 1 features) or FAVOR+
+random features (`training/linear_attention.py`, on the rotated q, k), with a fixed-size state for generation;
+such a model has no Llama layout (`has_llama_layout`).
 
 Module names are Hugging Face's (`model.layers.{i}.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...):
 export is a key-for-key copy and PEFT adapters trained here load on the export unchanged.
@@ -15,13 +18,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, model_validator
 from torch import Tensor, nn
 
+from training.linear_attention import (
+    LinearState,
+    causal_linear_attention,
+    elu_features,
+    favor_features,
+    orthogonal_features,
+)
 from training.moe import MoE, MoEConfig, RouterStats
 
 IGNORE_INDEX = -100  # targets with this value carry no loss (padding, prompt tokens in SFT)
@@ -60,6 +70,8 @@ class ModelConfig(BaseModel):
     init_std: PositiveFloat = 0.02
     moe: MoEConfig | None = None
     mup: MuPConfig | None = None  # None: standard parametrisation
+    attention: Literal["softmax", "linear", "favor"] = "softmax"
+    attention_features: int | None = None  # favor: random features per head (None: ⌈head_dim·ln head_dim⌉)
 
     @model_validator(mode="before")
     @classmethod
@@ -97,7 +109,32 @@ class ModelConfig(BaseModel):
                 f"head_dim=d_model/n_heads={self.head_dim} must be even for RoPE (it rotates pairs of channels); "
                 "change d_model or n_heads"
             )
+        if self.attention_features is not None and self.attention != "favor":
+            raise ValueError(
+                f"attention_features={self.attention_features} sets FAVOR+'s random features, but attention="
+                f"{self.attention}; remove it or set attention=favor"
+            )
+        if self.attention_features is not None and self.attention_features < 1:
+            raise ValueError(
+                f"attention_features={self.attention_features}: FAVOR+ needs at least one random feature per head; "
+                f"set a positive count (default {self.favor_features_default()}) or leave it out"
+            )
         return self
+
+    def favor_features_default(self) -> int:
+        return math.ceil(self.head_dim * math.log(self.head_dim))
+
+    @property
+    def feature_dim(self) -> int:
+        """Features per head of linear attention: head_dim (elu + 1) or FAVOR+'s random feature count."""
+        if self.attention == "favor":
+            return self.attention_features or self.favor_features_default()
+        return self.head_dim
+
+    @property
+    def has_llama_layout(self) -> bool:
+        """Whether a Hugging Face Llama/Mixtral model computes the same function (softmax attention only)."""
+        return self.attention == "softmax"
 
     @property
     def head_dim(self) -> int:
@@ -203,25 +240,48 @@ class LayerKVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+Cache = LayerKVCache | LinearState  # per layer: keys and values (softmax) or running sums (linear, favor)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query self-attention through `scaled_dot_product_attention`."""
+    """Causal grouped-query self-attention: softmax through `scaled_dot_product_attention`, or linear / FAVOR+
+    (computed in fp32; a FAVOR+ layer keeps its fixed random projection (M, D) as a buffer)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.scale = cfg.attn_scale
+        self.scale, self.kind = cfg.attn_scale, cfg.attention
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        if self.kind == "favor":
+            self.register_buffer("projection", torch.zeros(cfg.feature_dim, cfg.head_dim))
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: LayerKVCache | None = None) -> Tensor:
+    def features(self, x: Tensor, is_query: bool) -> Tensor:
+        """φ of queries or keys (B, H, T, D), in fp32."""
+        if self.kind == "favor":
+            return favor_features(x.float(), self.projection.float(), is_query, self.scale)
+        return elu_features(x.float())
+
+    def linear(self, q: Tensor, k: Tensor, v: Tensor, state: LinearState | None) -> Tensor:
+        """Causal linear attention (B, H, T, D); kv heads are shared by their query groups."""
+        repeat = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = causal_linear_attention(self.features(q, True), self.features(k, False), v.float(), state=state)
+        return y.to(q.dtype)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Cache | None = None) -> Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, T, D)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.kind != "softmax":
+            assert cache is None or isinstance(cache, LinearState)
+            return self.o_proj(self.linear(q, k, v, cache).transpose(1, 2).reshape(B, T, -1))
         if cache is not None:
+            assert isinstance(cache, LayerKVCache)
             k, v = cache.update(k, v)  # (B, G, S, D)
         S = k.shape[2]
         mask = None
@@ -267,7 +327,7 @@ class TransformerBlock(nn.Module):
             self.mlp = FeedForward(cfg.d_model, cfg.d_ff)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: LayerKVCache | None = None
+        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Cache | None = None
     ) -> tuple[Tensor, RouterStats | None]:
         h = x + self.self_attn(self.input_layernorm(x), rope, cache)
         if isinstance(self.mlp, FeedForward):
@@ -330,9 +390,14 @@ class Transformer(nn.Module):
             std = residual_std if is_residual_out else hidden_std if is_hidden(name) else self.cfg.init_std
             values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
             param.copy_(values)
+        projections = torch.Generator().manual_seed(seed + 1)  # after the weights: they match a softmax model's
+        for layer in self.model.layers:
+            if layer.self_attn.kind == "favor":
+                m, d = layer.self_attn.projection.shape
+                layer.self_attn.projection.copy_(orthogonal_features(m, d, projections))
 
     def forward(
-        self, tokens: Tensor, targets: Tensor | None = None, cache: list[LayerKVCache] | None = None
+        self, tokens: Tensor, targets: Tensor | None = None, cache: list[Cache] | None = None
     ) -> ModelOutput:
         """tokens (B, T); targets (B, T) with IGNORE_INDEX where no loss; cache for incremental decoding."""
         start = cache[0].length if cache else 0
@@ -361,10 +426,14 @@ class Transformer(nn.Module):
         z = torch.stack([s.z_loss for s in stats]).mean()
         return self.cfg.moe.aux_loss_coef * aux + self.cfg.moe.z_loss_coef * z
 
-    def new_cache(self, batch: int, max_len: int | None = None) -> list[LayerKVCache]:
-        """Empty per-layer KV caches on this model's device and dtype."""
+    def new_cache(self, batch: int, max_len: int | None = None) -> list[Cache]:
+        """Empty per-layer KV caches on this model's device and dtype (linear attention: fp32 running sums,
+        whose size does not depend on the length)."""
         like = self.lm_head.weight
         length = max_len or self.cfg.max_seq_len
+        if self.cfg.attention != "softmax":
+            m, h = self.cfg.feature_dim, self.cfg.n_heads
+            return [LinearState.empty(batch, h, m, self.cfg.head_dim, like.float()) for _ in self.model.layers]
         return [
             LayerKVCache(batch, self.cfg.n_kv_heads, self.cfg.head_dim, length, like)
             for _ in self.model.layers

@@ -221,18 +221,22 @@ def test_fp16_dynamic_loss_scaling(tokenized: tuple[DatasetManifest, Path], tmp_
 
 
 @pytest.mark.parametrize("name", ["soap", "shampoo", "kron", "kfac"])
-def test_matrix_optimisers_see_matrices_and_learn(
+def test_matrix_optimisers_see_matrices_learn_and_resume_exactly(
     tokenized: tuple[DatasetManifest, Path], tmp_path: Path, name: str
 ) -> None:
     """Under ZeRO-0 DeepSpeed hands the matrix optimiser the blocks' weights as 2-D matrices (under ZeRO ≥ 1 it
     would see flat 1-D partitions: the recipe refuses that); embeddings, norms and the head go to AdamW. 12
-    steps at the recipe's settings lower the loss."""
+    steps lower the loss; a fresh engine loaded from the step-6 checkpoint (with the RNG state: Kron draws
+    random probes) continues bit for bit."""
+    import copy
+
+    from training.checkpoint import rng_state, set_rng_state
+
     manifest, _ = tokenized
-    engine, recipe = engine_for(
-        Transformer(load_recipe("smoke").model), f"optim.name={name}", "optim.matrix_lr=0.01"
-    )
-    chain = engine.ds.optimizer
-    matrix, adamw = chain.optimizers
+    sets = (f"optim.name={name}", "optim.matrix_lr=0.01", "optim.precondition_every=4")
+    torch.manual_seed(0)
+    engine, recipe = engine_for(Transformer(load_recipe("smoke").model), *sets)
+    matrix, adamw = engine.ds.optimizer.optimizers
     shapes = [tuple(p.shape) for g in matrix.param_groups for p in g["params"]]
     blocks = {n: p for n, p in engine.module.named_parameters() if ".layers." in n and p.ndim == 2}
     assert shapes == [tuple(p.shape) for p in blocks.values()] and all(len(s) == 2 for s in shapes)
@@ -240,6 +244,19 @@ def test_matrix_optimisers_see_matrices_and_learn(
     assert {id(p) for g in adamw.param_groups for p in g["params"]} == {
         id(p) for n, p in engine.module.named_parameters() if n not in blocks
     }
-    run_steps(engine, recipe, manifest, tmp_path, steps=12)
-    curve = losses_of(tmp_path)
+    (tmp_path / "straight").mkdir()
+    state = run_steps(engine, recipe, manifest, tmp_path / "straight", steps=6)
+    engine.save(tmp_path / "ckpt")
+    saved_state, saved_rng = copy.deepcopy(state), rng_state()
+    run_steps(engine, recipe, manifest, tmp_path / "straight", steps=12, state=state)
+    curve = losses_of(tmp_path / "straight")
     assert sum(curve[-3:]) < sum(curve[:3]) - 0.3, curve
+
+    resumed, _ = engine_for(Transformer(load_recipe("smoke").model, seed=1), *sets)
+    resumed.load(tmp_path / "ckpt")
+    set_rng_state(saved_rng)
+    (tmp_path / "resumed").mkdir()
+    run_steps(resumed, recipe, manifest, tmp_path / "resumed", steps=12, state=saved_state)
+    assert losses_of(tmp_path / "resumed") == curve[6:]
+    after, again = snapshot(engine), snapshot(resumed)
+    assert all(torch.equal(after[k], again[k]) for k in after)

@@ -28,12 +28,14 @@ def test_chunked_form_equals_the_definition_and_the_recurrence(generator, chunk:
     v = torch.randn(2, 3, 37, 6, generator=generator, dtype=torch.float64)
     qf, kf = elu_features(q), elu_features(k)
     expected = quadratic(qf, kf, v)
-    torch.testing.assert_close(causal_linear_attention(qf, kf, v, chunk=chunk, eps=0.0), expected)
-    state = LinearState.empty(q, 8, 6)
+    torch.testing.assert_close(causal_linear_attention(qf, kf, v, chunk=chunk), expected)
+    state = LinearState.empty(2, 3, 8, 6, q)
+    prefix = causal_linear_attention(qf[:, :, :10], kf[:, :, :10], v[:, :, :10], chunk=chunk, state=state)
     steps = [
-        state.step(qf[:, :, t : t + 1], kf[:, :, t : t + 1], v[:, :, t : t + 1], eps=0.0) for t in range(37)
-    ]
-    torch.testing.assert_close(torch.cat(steps, dim=2), expected)
+        causal_linear_attention(*(x[:, :, t : t + 1] for x in (qf, kf, v)), state=state) for t in range(10, 37)
+    ]  # a prompt, then one token at a time (generation)
+    torch.testing.assert_close(torch.cat([prefix, *steps], dim=2), expected)
+    assert state.length == 37
 
 
 def test_no_future_leakage(generator) -> None:
