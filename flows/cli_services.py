@@ -66,8 +66,10 @@ def pipeline_params(args: argparse.Namespace) -> Any:
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
     from flows.recipe import load_recipe
+    from flows.stages import PipelineOptions, check_pipeline
 
     recipe = load_recipe(args.recipe, args.set)  # refuse bad input before starting anything
+    check_pipeline(recipe, PipelineOptions(compress=args.compress, register_model=not args.no_register))
     state = Path(recipe.output_dir) / "services"
     with prefect_api(state):  # Prefect reads its settings once, at import: import it inside
         from flows.pipeline import pipeline

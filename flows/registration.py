@@ -28,7 +28,9 @@ def register_final(
     base held. A model without a Llama layout is refused: the registry serves Hugging Face models."""
     cfg = load_hf_config(ref.hf_export)
     if not cfg.has_llama_layout:
-        raise UserError(f"{ref.path}: not registered: {no_llama_layout(cfg)}; the registry serves Hugging Face models")
+        raise UserError(
+            f"{ref.path}: not registered: {no_llama_layout(cfg)}; the registry serves Hugging Face models"
+        )
     candidate = candidate or list(report.models)[-1]
     gates, skipped = gate_results(report, candidate, base_name, ref, recipe.eval)
     name = recipe.eval.register_name or f"lmforge-{recipe.name.removesuffix('-optimal')}"

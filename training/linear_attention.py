@@ -24,6 +24,7 @@ from torch import Tensor
 
 CHUNK = 64  # tokens per chunk of `causal_linear_attention` (training/accounting.py counts its FLOPs)
 
+
 def elu_features(x: Tensor) -> Tensor:
     """Katharopoulos et al.'s map: elu(x) + 1 (positive, same width)."""
     return F.elu(x) + 1.0

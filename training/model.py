@@ -390,7 +390,9 @@ class Transformer(nn.Module):
             std = residual_std if is_residual_out else hidden_std if is_hidden(name) else self.cfg.init_std
             values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
             param.copy_(values)
-        projections = torch.Generator().manual_seed(seed + 1)  # after the weights: they match a softmax model's
+        projections = torch.Generator().manual_seed(
+            seed + 1
+        )  # after the weights: they match a softmax model's
         for layer in self.model.layers:
             if layer.self_attn.kind == "favor":
                 m, d = layer.self_attn.projection.shape
@@ -433,7 +435,9 @@ class Transformer(nn.Module):
         length = max_len or self.cfg.max_seq_len
         if self.cfg.attention != "softmax":
             m, h = self.cfg.feature_dim, self.cfg.n_heads
-            return [LinearState.empty(batch, h, m, self.cfg.head_dim, like.float()) for _ in self.model.layers]
+            return [
+                LinearState.empty(batch, h, m, self.cfg.head_dim, like.float()) for _ in self.model.layers
+            ]
         return [
             LayerKVCache(batch, self.cfg.n_kv_heads, self.cfg.head_dim, length, like)
             for _ in self.model.layers

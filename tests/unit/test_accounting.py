@@ -130,3 +130,28 @@ def test_kv_cache_uses_kv_heads() -> None:
     assert kv_cache_bytes(cfg, batch=2, seq_len=100, precision="bf16") == 2 * 4 * 2 * 32 * 100 * 2 * 2
     mha = cfg.model_copy(update={"n_kv_heads": 4})
     assert kv_cache_bytes(mha, 2, 100) == 2 * kv_cache_bytes(cfg, 2, 100)
+
+
+def test_linear_attention_costs_do_not_grow_with_the_length() -> None:
+    """Softmax attention's FLOPs per token grow linearly in T; linear attention's (chunks of 64) stop growing
+    at T = 64; its generation state is the running sums, whatever the length."""
+    linear = BASE.model_copy(update={"attention": "linear"})
+    favor = BASE.model_copy(update={"attention": "favor", "attention_features": 64})
+    soft = [flops_per_token(BASE, t).attention for t in (256, 1024, 4096)]
+    assert soft[1] == 4 * soft[0] and soft[2] == 4 * soft[1]
+    for cfg in (linear, favor):
+        assert flops_per_token(cfg, 256).attention == flops_per_token(cfg, 4096).attention
+        assert kv_cache_bytes(cfg, 1, 256) == kv_cache_bytes(cfg, 1, 4096)
+    h, d = BASE.n_heads, BASE.head_dim
+    assert flops_per_token(linear, 4096).attention == 3 * 4 * h * (2 * 64 * d + 2 * 64 * d + 4 * d * d)
+    assert flops_per_token(favor, 4096).attention < soft[2] / 4
+    assert kv_cache_bytes(linear, 2, 100) == 4 * 4 * h * (d * d + d) * 2
+
+
+def test_matrix_optimisers_add_their_factors() -> None:
+    adam = training_memory(BASE, precision="fp32", zero_stage=0, world_size=1, micro_batch=1, seq_len=64)
+    kfac = training_memory(
+        BASE, precision="fp32", zero_stage=0, world_size=1, micro_batch=1, seq_len=64, optimizer="kfac"
+    )
+    sides = 4 * (2 * (128**2 + 128**2) + 2 * (64**2 + 128**2) + 2 * (344**2 + 128**2) + (128**2 + 344**2))
+    assert kfac.optimizer == adam.optimizer // 2 + 4 * 2 * sides

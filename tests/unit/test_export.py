@@ -30,3 +30,35 @@ def test_transformers_generation_stops_at_end_of_text(tokenized, tmp_path) -> No
     prompt = torch.tensor([[5, 6, 7]])
     out = hf.generate(prompt, max_new_tokens=8, do_sample=False)
     assert out[0, 3:].tolist() == [tok.eos_id]  # with Llama's default eos (2) it ran all 8 tokens
+
+
+def test_linear_attention_exports_in_lmforges_layout_which_hugging_face_refuses(tokenized, tmp_path) -> None:
+    """A FAVOR+ model has no Llama equivalent: its export is our config + state dict (projections included),
+    verified by lmforge loading it back; Hugging Face finds no config.json, the HF mapping refuses it by name."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from training.hf_interop import build_hf_model, load_export
+
+    manifest, _ = tokenized
+    cfg = ModelConfig(
+        vocab_size=describe(Path(manifest.tokenizer.path)).vocab_size,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        attention="favor",
+        attention_features=12,
+    )
+    model = Transformer(cfg, seed=0).eval()
+    record = export_hf(model.state_dict(), cfg, manifest.tokenizer.path, tmp_path / "hf")
+    assert record["valid"] and record["layout"] == "lmforge" and record["max_abs_logit_diff"] == 0.0
+    assert not (tmp_path / "hf" / "config.json").exists() and (tmp_path / "hf" / "tokenizer.json").is_file()
+    loaded = load_export(tmp_path / "hf")
+    probe = torch.randint(0, cfg.vocab_size, (2, 9))
+    assert torch.equal(loaded(probe).logits, model(probe).logits)
+    with pytest.raises((OSError, ValueError)):
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match="model.attention=favor has no Hugging Face Llama layout"):
+        build_hf_model(cfg)

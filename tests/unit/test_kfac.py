@@ -105,7 +105,12 @@ def test_factors_and_preconditioning_agree_with_curvlinops() -> None:
     kfac.remove()
 
     theirs = KFACLinearOperator(
-        Logits(model), loss_func, params, [(tokens, targets)], fisher_type="empirical", check_deterministic=False
+        Logits(model),
+        loss_func,
+        params,
+        [(tokens, targets)],
+        fisher_type="empirical",
+        check_deterministic=False,
     )
     theirs.compute_kronecker_factors()
     for name, p in zip(names, params, strict=True):

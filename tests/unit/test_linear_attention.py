@@ -32,7 +32,8 @@ def test_chunked_form_equals_the_definition_and_the_recurrence(generator, chunk:
     state = LinearState.empty(2, 3, 8, 6, q)
     prefix = causal_linear_attention(qf[:, :, :10], kf[:, :, :10], v[:, :, :10], chunk=chunk, state=state)
     steps = [
-        causal_linear_attention(*(x[:, :, t : t + 1] for x in (qf, kf, v)), state=state) for t in range(10, 37)
+        causal_linear_attention(*(x[:, :, t : t + 1] for x in (qf, kf, v)), state=state)
+        for t in range(10, 37)
     ]  # a prompt, then one token at a time (generation)
     torch.testing.assert_close(torch.cat([prefix, *steps], dim=2), expected)
     assert state.length == 37

@@ -12,7 +12,9 @@ from training.sampling import filter_logits, generate
 DENSE = ModelConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 MOE = DENSE.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=48)})
 MIXED = DENSE.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=1, d_ff_expert=48, first_k_dense=1)})
-CONFIGS = {"dense": DENSE, "moe": MOE, "mixed": MIXED}
+LINEAR = DENSE.model_copy(update={"attention": "linear"})
+FAVOR = DENSE.model_copy(update={"attention": "favor", "attention_features": 24})
+CONFIGS = {"dense": DENSE, "moe": MOE, "mixed": MIXED, "linear": LINEAR, "favor": FAVOR}
 
 
 def tokens(batch: int, length: int, vocab: int = 101, seed: int = 0) -> torch.Tensor:
@@ -97,8 +99,10 @@ def test_rope_is_a_rotation_that_depends_on_relative_position() -> None:
     torch.testing.assert_close(scores, scores[:1].expand_as(scores))
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "linear", "favor"])
 def test_kv_cache_logits_equal_full_recompute(kind: str) -> None:
+    """Prefill, a chunk, then one token at a time: the logits of a full forward pass (for linear attention the
+    cache is the running sums, which keep their size whatever the length)."""
     model = Transformer(CONFIGS[kind]).eval()
     x = tokens(2, 20)
     full = model(x).logits
@@ -109,7 +113,7 @@ def test_kv_cache_logits_equal_full_recompute(kind: str) -> None:
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "linear", "favor"])
 def test_cached_generation_equals_uncached(kind: str) -> None:
     model = Transformer(CONFIGS[kind], seed=3).eval()
     prompt = tokens(2, 5)
@@ -155,3 +159,30 @@ def test_filter_logits_top_k_and_top_p() -> None:
     assert torch.isinf(filter_logits(logits, top_p=0.85)).tolist() == [[False, False, False, True]]
     shuffled = logits[:, [2, 0, 3, 1]]
     assert torch.isinf(filter_logits(shuffled, top_p=0.7)).tolist() == [[True, False, True, False]]
+
+
+def test_linear_attention_state_has_a_fixed_size_and_favor_a_fixed_projection() -> None:
+    model = Transformer(FAVOR).eval()
+    cache = model.new_cache(batch=1)
+    sizes = []
+    for t in range(0, 30, 10):
+        model(tokens(1, 10, seed=t), cache=cache)
+        sizes.append(sum(c.state.numel() + c.normaliser.numel() for c in cache))
+    assert sizes[0] == sizes[-1] == 2 * 4 * 24 * (16 + 1) and cache[0].length == 30
+    projection = model.model.layers[0].self_attn.projection
+    assert projection.shape == (24, 16) and "model.layers.0.self_attn.projection" in model.state_dict()
+    again = Transformer(FAVOR)
+    assert torch.equal(again.model.layers[1].self_attn.projection, model.model.layers[1].self_attn.projection)
+    assert not torch.equal(projection, model.model.layers[1].self_attn.projection)  # drawn per layer
+    softmax = Transformer(DENSE)  # the weights are a softmax model's of the same seed (an A/B starts equal)
+    assert all(torch.equal(p, q) for p, q in zip(softmax.parameters(), model.parameters(), strict=True))
+
+
+def test_attention_options_it_cannot_honour_are_refused() -> None:
+    with pytest.raises(ValueError, match="FAVOR\\+ needs at least one random feature"):
+        ModelConfig.model_validate({**DENSE.model_dump(), "attention": "favor", "attention_features": 0})
+    with pytest.raises(ValueError, match="remove it or set attention=favor"):
+        ModelConfig.model_validate({**DENSE.model_dump(), "attention": "linear", "attention_features": 64})
+    assert (
+        ModelConfig.model_validate({**DENSE.model_dump(), "attention": "favor"}).feature_dim == 45
+    )  # 16·ln 16
