@@ -63,6 +63,8 @@ class EvalConfig(BaseModel):
     temperature: float = Field(0.8, ge=0)
     seed: NonNegativeInt = 0
     spectra: bool = True  # singular-value spectra / effective rank of weights and LoRA updates
+    # FAVOR+ feature counts at which a softmax model's attention is approximated per layer (empty: skipped)
+    favor_features: list[PositiveInt] = Field(default_factory=lambda: [16, 32, 64, 128, 256])
     # registry gates: the candidate alias is set only when every gate passes
     register_name: str | None = None  # default "lmforge-<recipe name>"
     alias: str = "candidate"

@@ -17,6 +17,7 @@ from data_pipeline.config import DataConfig
 from data_pipeline.preference import Pair, read_heldout_pairs
 from data_pipeline.sources import Corpus
 from evaluation.config import EvalConfig
+from evaluation.favor_error import favor_error
 from evaluation.heldout import heldout_documents, heldout_metrics
 from evaluation.model_io import EvalModel, load_for_eval
 from evaluation.preference_eval import preference_metrics
@@ -120,6 +121,11 @@ def evaluate_model(
             lora = lora_spectra(em.ref.adapter)
             spectra["lora"] = lora
             metrics["lora/mean_effective_rank"] = sum(v["effective_rank"] for v in lora.values()) / len(lora)
+    if cfg.favor_features and em.model.cfg.attention == "softmax":
+        errors = favor_error(em.model, _doc_batches(em, docs), cfg.favor_features, seed=cfg.seed)
+        spectra["favor_error"] = errors
+        for m in cfg.favor_features:
+            metrics[f"favor/rel_error/m{m}"] = sum(layer[m] for layer in errors.values()) / len(errors)
     if em.model.cfg.moe is not None:
         load = expert_load(em.model, _doc_batches(em, docs))
         spectra["expert_load"] = load

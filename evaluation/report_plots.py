@@ -1,4 +1,5 @@
-"""Evaluation plots (PNG): headline metrics per model, effective rank of every weight matrix, LoRA update spectra."""
+"""Evaluation plots (PNG): headline metrics per model, effective rank of every weight matrix, LoRA update spectra,
+FAVOR+'s error against each softmax layer's attention by feature count."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def write_report_plots(report: Any, out: Path) -> list[Path]:
     paths = [_metrics(report, out / "metrics.png"), _ranks(report, out / "effective_rank.png")]
     if any("lora" in s for s in report.spectra.values()):
         paths.append(_lora(report, out / "lora_spectra.png"))
+    if any("favor_error" in s for s in report.spectra.values()):
+        paths.append(_favor(report, out / "favor_error.png"))
     return [p for p in paths if p is not None]
 
 
@@ -77,6 +80,37 @@ def _lora(report: Any, path: Path) -> Path:
         xlabel="index", ylabel="σ_i / σ_1", title="LoRA updates ΔW = (α/r)·B·A: singular values", yscale="log"
     )
     ax.legend(fontsize=5, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _favor(report: Any, path: Path) -> Path:
+    """Relative error of FAVOR+ attention outputs vs exact softmax attention, per model and layer, against the
+    random feature count (log-log), with an m^(-1/2) guide."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    styles = ["-", "--", ":", "-."]
+    for i, (name, spectra) in enumerate(report.spectra.items()):
+        for layer, errors in spectra.get("favor_error", {}).items():
+            ms = sorted(int(m) for m in errors)
+            ax.plot(
+                ms,
+                [errors[m] if m in errors else errors[str(m)] for m in ms],
+                styles[i % 4],
+                marker="o",
+                label=f"{name} {layer}",
+            )
+    lines = ax.get_lines()
+    ms = np.array(sorted({int(x) for line in lines for x in line.get_xdata()}))
+    start = float(np.mean([line.get_ydata()[0] for line in lines]))
+    ax.plot(ms, start * (ms / ms[0]) ** -0.5, "k:", alpha=0.5, label="∝ m^-1/2")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("random features per head, m")
+    ax.set_ylabel("relative error of the attention output")
+    ax.set_title("FAVOR+ on the model's own queries and keys")
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -80,3 +80,33 @@ def test_favor_approaches_softmax_attention_as_features_grow() -> None:
         errors[m] = total / 8
     assert errors[16] > errors[64] > errors[256] > errors[1024]
     assert errors[1024] < 0.5 * errors[64]
+
+
+def test_favor_error_on_a_models_own_attention_falls_with_the_feature_count() -> None:
+    """The evaluation's per-layer measurement (evaluation/favor_error.py) on a random softmax model: the layers'
+    q, k after RoPE are the model's (the captured exact attention reproduces the layer), and more features give
+    a smaller error; a linear-attention model is refused."""
+    from evaluation.favor_error import favor_error
+    from training.model import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=48, max_seq_len=64)
+    model = Transformer(cfg, seed=0).eval()
+    with torch.no_grad():  # sharper attention than at init, as in a trained model
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+    batches = [torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    from evaluation.favor_error import attention_inputs
+
+    outputs = []
+    handle = model.model.layers[1].self_attn.register_forward_hook(lambda m, a, out: outputs.append(out))
+    (q, k, v), _ = attention_inputs(model, batches)[1]
+    handle.remove()
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    attn = model.model.layers[1].self_attn
+    torch.testing.assert_close(attn.o_proj(exact.transpose(1, 2).flatten(2)), outputs[0])
+    errors = favor_error(model, batches, [8, 64, 512], draws=4)
+    assert set(errors) == {"layer0", "layer1"}
+    for layer in errors.values():
+        assert layer[8] > layer[64] > layer[512] > 0
+    with pytest.raises(ValueError, match="against softmax attention"):
+        favor_error(Transformer(cfg.model_copy(update={"attention": "linear"})), batches, [8])
