@@ -60,6 +60,34 @@ def cmd_fit_scaling(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Sweep two variants' ladders (cached), fit a law to each, print the compute multiplier with its interval."""
+    from flows.cli import bar_runner
+    from flows.compare import run_compare
+
+    a = load_recipe(args.recipe_a, [*args.set, *args.set_a])
+    b = load_recipe(args.recipe_b, [*args.set, *args.set_b])
+    names = tuple(args.names.split(",")) if args.names else (a.name, b.name)
+    if len(names) != 2 or names[0] == names[1] or not all(names):
+        raise ValueError(
+            f"--names {args.names or ','.join(names)}: give two different names, A,B (e.g. --names adamw,muon)"
+        )
+    with bar_runner() as run:
+        summary = run_compare(a, b, names, run, args.budget, args.bootstrap)
+    low, high = summary["interval"]
+    print(
+        f"multiplier {summary['multiplier']:.3f} [{low:.3f}, {high:.3f}]: {names[0]} needs that times the compute "
+        f"of {names[1]} for {names[1]}'s loss at C = {summary['c_ref']:.3g} FLOPs"
+    )
+    print(
+        f"loss at C  {names[0]} {summary['loss_a_at_c_ref']:.4f}, {names[1]} {summary['loss_b_at_c_ref']:.4f}"
+    )
+    print(f"report     {summary['path']}/comparison.md and compare.png")
+    for warning in summary["warnings"]:
+        print(f"warning    {warning}", file=sys.stderr)
+    return 0
+
+
 def add_scaling_commands(commands: Any, add_set_argument: Any) -> None:
     sweep = commands.add_parser(
         "sweep", help="scaling sweep: Ray Tune trials over (budget, size), then the fit"
@@ -79,3 +107,23 @@ def add_scaling_commands(commands: Any, add_set_argument: Any) -> None:
     fit.add_argument("--drop-highest", type=int, default=0, help="drop the K highest-loss runs (Epoch: 5)")
     fit.add_argument("--json", action="store_true", help="print fit.json instead of the headline")
     fit.set_defaults(handler=cmd_fit_scaling)
+
+    compare = commands.add_parser(
+        "compare",
+        help="compute multiplier of variant A vs B: the same IsoFLOP ladder for both, a law each, bootstrap interval",
+    )
+    compare.add_argument("recipe_a", help="variant A: recipe path or name in configs/")
+    compare.add_argument("recipe_b", help="variant B: recipe path or name (the same one with --set-b, say)")
+    compare.add_argument(
+        "--set-a", action="append", default=[], metavar="A.B=VALUE", help="override for A only"
+    )
+    compare.add_argument(
+        "--set-b", action="append", default=[], metavar="A.B=VALUE", help="override for B only"
+    )
+    compare.add_argument("--names", help="the variants' names, A,B (default: the recipe names)")
+    compare.add_argument(
+        "--budget", type=float, help="reference budget in FLOPs (default: largest both swept)"
+    )
+    compare.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples per law")
+    add_set_argument(compare)
+    compare.set_defaults(handler=cmd_compare)
