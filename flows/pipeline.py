@@ -185,6 +185,23 @@ class CompressParams(RecipeParams):
     )
 
 
+class CompareParams(BaseModel):
+    """Two variants of an IsoFLOP ladder: recipe A and recipe B, each with its own overrides."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    a: RecipeParams = Field(
+        default_factory=RecipeParams, title="Variant A", description="recipe and overrides"
+    )
+    b: RecipeParams = Field(
+        default_factory=RecipeParams, title="Variant B", description="recipe and overrides"
+    )
+    names: tuple[str, str] = Field(("a", "b"), title="Names", description="the two variants' names")
+    budget: float | None = Field(
+        None, gt=0, title="Reference budget (FLOPs)", description="default: largest swept by both"
+    )
+
+
 class EvalParams(RecipeParams):
     runs: list[str] = Field(
         default_factory=list, title="Runs", description="finished run directories to compare"
@@ -241,6 +258,15 @@ def compress_flow(params: CompressParams) -> str:
     return str(Path(front.path) / "frontier.md")
 
 
+@flow(name="compare")
+def compare_flow(params: CompareParams) -> str:
+    """The compute multiplier of variant A relative to B (comparison.md, compare.png)."""
+    from flows.compare import run_compare
+
+    summary = run_compare(params.a.load(), params.b.load(), params.names, PrefectRunner(), params.budget)
+    return str(Path(summary["path"]) / "comparison.md")
+
+
 @flow(name="evaluate")
 def evaluate_flow(params: EvalParams) -> str:
     models = [stages.load_model(run) for run in params.runs]
@@ -258,5 +284,6 @@ FLOWS = {
     "dpo": dpo_flow,
     "distill": distill_flow,
     "compress": compress_flow,
+    "compare": compare_flow,
     "evaluate": evaluate_flow,
 }
