@@ -17,12 +17,17 @@ install: $(STAMP)
 # torch goes in first (the CPU build from local disk here) so resolving the project never pulls a CUDA build;
 # constraints.txt holds the versions the tests (and the golden loss curve) were made with. uv resolves and installs
 # the ~230 packages in seconds (pip took ~4 minutes here); pip, which reads pip.conf mirrors, is the fallback.
+# curvlinops (the tests' K-FAC reference) and what it imports, without its backpack -> torchvision requirement:
+# PyPI's torchvision breaks `transformers` imports beside the CPU torch build (see pyproject.toml).
+TEST_ONLY_NO_DEPS := curvlinops-for-pytorch einconv linear_operator opt_einsum
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip uv
 	$(PY) -m pip install -q "$(TORCH)"
 	$(VENV)/bin/uv pip install -q --python $(PY) -c constraints.txt -e ".[dev]" \
 	  || $(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps -c constraints.txt $(TEST_ONLY_NO_DEPS) \
+	  || $(PY) -m pip install -q --no-deps -c constraints.txt $(TEST_ONLY_NO_DEPS)
 	touch $(STAMP)
 
 demo: install

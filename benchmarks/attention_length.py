@@ -69,7 +69,9 @@ def measure(kind: str, length: int, repeats: int) -> tuple[float, float]:
 
         def decode() -> None:
             for c, n in zip(cache, state, strict=True):
-                c.length = n  # the KV cache overwrites its last slot; the linear state is re-added (timing only)
+                c.length = (
+                    n  # the KV cache overwrites its last slot; the linear state is re-added (timing only)
+                )
             model(tokens[:1, -1:], cache=cache)
 
         decode_s = best_of(repeats * 3, decode)
@@ -87,7 +89,9 @@ def main() -> None:
     for length in args.lengths:
         for kind in KINDS:
             train[kind][length], decode[kind][length] = measure(kind, length, args.repeats)
-    ratio = {k: {t: round(train[k][t] / train["softmax"][t], 3) for t in args.lengths} for k in ("linear", "favor")}
+    ratio = {
+        k: {t: round(train[k][t] / train["softmax"][t], 3) for t in args.lengths} for k in ("linear", "favor")
+    }
     wins = [t for t in args.lengths if ratio["linear"][t] > 1.0]
     print(
         json.dumps(

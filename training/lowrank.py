@@ -63,8 +63,9 @@ class LowRankLinear(nn.Module):
 
     def __init__(self, a: Tensor, b: Tensor) -> None:
         super().__init__()
-        self.a = nn.Parameter(a.detach().clone(), requires_grad=False)
-        self.b = nn.Parameter(b.detach().clone(), requires_grad=False)
+        # row-major copies: SVD factors come column-major, and a stored-then-loaded variant must run the same kernels
+        self.a = nn.Parameter(a.detach().clone(memory_format=torch.contiguous_format), requires_grad=False)
+        self.b = nn.Parameter(b.detach().clone(memory_format=torch.contiguous_format), requires_grad=False)
 
     @property
     def in_features(self) -> int:
