@@ -390,9 +390,8 @@ class Transformer(nn.Module):
             std = residual_std if is_residual_out else hidden_std if is_hidden(name) else self.cfg.init_std
             values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
             param.copy_(values)
-        projections = torch.Generator().manual_seed(
-            seed + 1
-        )  # after the weights: they match a softmax model's
+        # FAVOR+ projections from their own generator: the weights stay those of a softmax model of this seed
+        projections = torch.Generator().manual_seed(seed + 1)
         for layer in self.model.layers:
             if layer.self_attn.kind == "favor":
                 m, d = layer.self_attn.projection.shape

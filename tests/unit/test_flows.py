@@ -100,3 +100,17 @@ def test_pipeline_flags_reach_the_flow_and_unknown_parameters_are_refused():
     assert (options.dpo, options.distill, options.finetune) == (True, True, True)
     with pytest.raises(ValidationError, match="register"):
         PipelineParams(recipe="smoke", register=False)  # a misspelt flag is an error, not a silent default
+
+
+def test_a_registering_pipeline_refuses_attention_without_a_llama_layout(capsys) -> None:
+    """Registering and compressing need a Hugging Face layout: refused in one line before anything starts; the
+    same recipe without them is accepted."""
+    from flows.cli import main
+    from flows.recipe import load_recipe
+    from flows.stages import PipelineOptions, check_pipeline
+
+    for extra in ([], ["--compress", "--no-register"]):
+        assert main(["pipeline", "smoke", "--set", "model.attention=favor", *extra]) == 2
+        message = capsys.readouterr().err.strip()
+        assert "\n" not in message and "model.attention=favor has no Hugging Face layout" in message
+    check_pipeline(load_recipe("smoke", ["model.attention=linear"]), PipelineOptions(register_model=False))
