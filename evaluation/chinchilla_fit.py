@@ -255,6 +255,9 @@ class Bootstrap:
     n_diverged: int = 0  # resamples whose fit ran off to infinity (left out of the intervals)
 
     def interval(self, name: str) -> tuple[float, float]:
+        """The percentile interval; NaN when no resample's fit stayed finite (a degenerate law: see `n_diverged`)."""
+        if self.n == 0:
+            return math.nan, math.nan
         lo, hi = np.percentile(self.samples[name], [50 * (1 - self.level), 50 * (1 + self.level)])
         return float(lo), float(hi)
 

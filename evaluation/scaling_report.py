@@ -108,7 +108,11 @@ class ScalingFit(BaseModel):
 def intervals_at(
     samples: dict[str, np.ndarray], n: np.ndarray, d: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """95% interval of the loss at each (N, D) over the bootstrap laws (resamples × points at once)."""
+    """95% interval of the loss at each (N, D) over the bootstrap laws (resamples × points at once); NaN when no
+    resample's fit stayed finite."""
+    if len(samples["E"]) == 0:
+        nan = np.full(np.atleast_1d(n).shape, np.nan)
+        return nan, nan
     boot = Law(**{k: samples[k][:, None] for k in LAW_KEYS}).loss(
         np.atleast_1d(n)[None], np.atleast_1d(d)[None]
     )
@@ -134,8 +138,9 @@ def compute_optimal(
 ) -> ComputeOptimal:
     n_opt, d_opt = float(law.optimal_n(budget)), float(law.optimal_d(budget))
     boot = [Law(*(samples[k][i] for k in ("E", "A", "B", "alpha", "beta"))) for i in range(len(samples["E"]))]
-    boot_n = np.array([float(b.optimal_n(budget)) for b in boot])
-    boot_loss = np.array([float(b.loss(b.optimal_n(budget), b.optimal_d(budget))) for b in boot])
+    # no resample at all (a degenerate law, every refit ran off): NaN intervals
+    boot_n = np.array([float(b.optimal_n(budget)) for b in boot] or [np.nan])
+    boot_loss = np.array([float(b.loss(b.optimal_n(budget), b.optimal_d(budget))) for b in boot] or [np.nan])
     ratio = float(np.median(points.n_total / points.n))
     return ComputeOptimal(
         budget=budget,

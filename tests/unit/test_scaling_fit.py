@@ -209,3 +209,29 @@ def test_drop_highest_must_leave_runs(tmp_path, drop):
     pacsv.write_csv(pa.table({"N": pts.n, "D": pts.d, "loss": pts.loss}), csv)
     with pytest.raises(ScalingDataError, match="--drop-highest"):
         load_points(csv, drop_highest=drop)
+
+
+def test_a_law_whose_every_bootstrap_refit_ran_off_gets_nan_intervals_not_a_crash() -> None:
+    """Seen on a 7-point smoke ladder on one CPU model: the point fit has α ≈ 190 and every resample is dropped;
+    the fit, the compute-optimal size and the rung's prediction still come out, with NaN intervals."""
+    import math
+
+    import numpy as np
+
+    from evaluation.chinchilla_fit import Bootstrap
+    from evaluation.scaling_report import compute_optimal, intervals_at
+
+    empty = {k: np.array([]) for k in ("E", "A", "B", "alpha", "beta", "a", "b")}
+    boot = Bootstrap(empty, 0, 0.95, n_diverged=200)
+    assert all(math.isnan(v) for pair in boot.intervals().values() for v in pair)
+    lo, hi = intervals_at(empty, np.array([1e5]), np.array([1e6]))
+    assert math.isnan(lo[0]) and math.isnan(hi[0])
+    from evaluation.chinchilla_fit import Law
+    from evaluation.scaling_data import ScalingPoints
+
+    n = np.array([1e4, 2e4])
+    points = ScalingPoints(n, n * 10, np.array([3.0, 2.9]), 60 * n * n, n)
+    optimal = compute_optimal(points, Law(E=1.7, A=400, B=400, alpha=0.3, beta=0.3), empty, 1e18)
+    assert (
+        optimal.n_opt > 0 and math.isnan(optimal.loss_interval[0]) and math.isnan(optimal.n_opt_interval[1])
+    )
