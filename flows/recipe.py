@@ -68,6 +68,11 @@ def check_matrix_optimizer(prefix: str, optim: OptimConfig, par: ParallelConfig,
             f"{prefix}.name=kfac with parallel.precision=fp16: K-FAC's gradient factor would carry fp16's dynamic "
             "loss scale; use parallel.precision=bf16 or fp32"
         )
+    if optim.name == "kfac" and par.compile is True:
+        raise ValueError(
+            f"{prefix}.name=kfac with parallel.compile=true: K-FAC reads each layer's inputs and output gradients "
+            "through module hooks, which compiled blocks do not run; set parallel.compile=auto (eager for K-FAC)"
+        )
 
 
 class Recipe(BaseModel):

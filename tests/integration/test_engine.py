@@ -132,6 +132,54 @@ def test_activation_checkpointing_changes_nothing_but_memory(
     assert losses_of(tmp_path / "ckpt") == pytest.approx(losses_of(tmp_path / "plain"), rel=1e-6)
 
 
+def test_compiled_blocks_train_as_eager_does(tokenized: tuple[DatasetManifest, Path], tmp_path: Path) -> None:
+    """torch.compile (Inductor's CPU backend here) of the blocks: the same losses and weights as eager after 3
+    steps, to fp32 rounding; activation checkpointing over compiled blocks too."""
+    manifest, _ = tokenized
+    recipe = load_recipe("smoke")
+    weights = {}
+    for name, sets in (
+        ("eager", ["parallel.compile=false"]),
+        ("compiled", ["parallel.compile=true"]),
+        ("compiled-ckpt", ["parallel.compile=true", "parallel.activation_checkpointing=true"]),
+    ):
+        engine, r = engine_for(Transformer(recipe.model), *sets)
+        assert ("forward" in vars(engine.module.model.layers[0])) == (name != "eager")  # the compiled wrapper
+        (tmp_path / name).mkdir()
+        run_steps(engine, r, manifest, tmp_path / name, steps=3)
+        weights[name] = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+    for name in ("compiled", "compiled-ckpt"):
+        assert losses_of(tmp_path / name) == pytest.approx(losses_of(tmp_path / "eager"), rel=1e-5)
+        assert torch.allclose(weights[name], weights["eager"], rtol=1e-4, atol=1e-6)
+
+
+def test_a_failing_compile_falls_back_to_eager_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's C++ compiler is `false` (a real program that fails): one warning, and the eager blocks train."""
+    from torch._inductor import config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("false",))
+    monkeypatch.setattr(inductor, "force_disable_caches", True)
+    torch._dynamo.reset()
+    recipe = load_recipe("smoke")
+    model = Transformer(recipe.model)
+    with pytest.warns(UserWarning, match="torch.compile failed on a trial step") as caught:
+        engine, _ = engine_for(model, "parallel.compile=true")
+    assert len([w for w in caught if "parallel.compile" in str(w.message)]) == 1
+    assert "forward" not in vars(engine.module.model.layers[0])  # the class's eager forward
+    batch = FixedBatch(recipe.model.vocab_size).next_batch()
+    engine.backward(engine.forward(batch).loss)
+    assert engine.step(1e-3) > 0
+    torch._dynamo.reset()
+
+
+def test_compile_is_auto_on_cuda_only() -> None:
+    from training.compile import wants_compile
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert (wants_compile("auto", cpu), wants_compile("auto", cuda)) == (False, True)
+    assert (wants_compile(True, cpu), wants_compile(False, cuda)) == (True, False)
+
+
 class FixedBatch:
     """The same 8 random sequences of 64 tokens at every draw."""
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from data_pipeline.loader import Batch
+from training.compile import maybe_compile
 from training.config import OptimConfig, ParallelConfig, TrainConfig
 from training.model import ModelOutput, Transformer
 from training.optim import BuiltByDeepSpeed, build_optimizer, param_groups, set_lr
@@ -117,6 +118,10 @@ def build_engine(
 
     if parallel.ep_size > 1:
         swap_in_expert_parallel(model, parallel.ep_size)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[parallel.precision]
+    # eager: DeepSpeed's expert-parallel layer (all-to-all), and K-FAC (its module hooks read every layer)
+    if parallel.ep_size == 1 and optim.name != "kfac":
+        maybe_compile(model, parallel.compile, train.micro_batch_size, train.seq_len, dtype)
     if parallel.activation_checkpointing:
         checkpoint_activations(model)
     groups = param_groups(model, optim, model.cfg.hidden_lr_mult() if isinstance(model, Transformer) else 1.0)

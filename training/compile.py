@@ -1,0 +1,97 @@
+"""`torch.compile` of the transformer blocks inside the engine (regional compilation: every block shares one
+compiled graph, so warm-up costs one block's compile, not the model's), with a fall-back to eager.
+
+`parallel.compile: auto` compiles on CUDA, where fusing the norm, RoPE and SwiGLU element-wise work pays
+(nanochat, torchtitan); on CPUs the GEMMs dominate and the warm-up rarely pays back (benchmarks/
+train_throughput.py measures both). A platform where compile is unavailable or fails on a trial step falls back to
+eager with one warning; it never stops a run. Decoding with a cache stays eager (shapes change every token).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+import warnings
+from typing import Literal
+
+import torch
+from torch import nn
+
+from training.model import Transformer
+
+log = logging.getLogger(__name__)
+CompileSetting = Literal["auto"] | bool
+
+
+def wants_compile(setting: CompileSetting, device: torch.device) -> bool:
+    """The recipe's `parallel.compile` for this device: True/False as given, auto: CUDA only."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why torch.compile cannot run here (None: it can): no Dynamo for this Python, or no C++ compiler for
+    Inductor's CPU code."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        return "TorchDynamo does not support this Python/platform"
+    if device.type == "cpu":
+        from torch._inductor import config as inductor
+
+        compiler = inductor.cpp.cxx[0] if isinstance(inductor.cpp.cxx, tuple) else inductor.cpp.cxx
+        if compiler is None:
+            if not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+                return "Inductor's CPU backend needs a C++ compiler (g++ or clang++) on PATH"
+        elif not shutil.which(compiler):
+            return f"Inductor's C++ compiler {compiler!r} is not on PATH"
+    return None
+
+
+def compile_blocks(model: Transformer) -> None:
+    """Compile each block's training forward (a cached decode step keeps the eager forward)."""
+    for block in model.model.layers:
+        eager = block.forward
+        compiled = torch.compile(eager, dynamic=False)
+
+        def forward(x, rope, cache=None, _eager=eager, _compiled=compiled):  # type: ignore[no-untyped-def]
+            return _eager(x, rope, cache) if cache is not None else _compiled(x, rope)
+
+        block.forward = forward
+
+
+def trial_step(model: Transformer, batch: int, seq_len: int, dtype: torch.dtype) -> None:
+    """One forward and backward of a copy of `model` in the engine's parameter dtype, at the training shapes:
+    compiles the graphs the blocks will run (they share the code and its cache) or raises what fails."""
+    trial = copy.deepcopy(model).to(dtype)
+    compile_blocks(trial)
+    device = next(trial.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, trial.cfg.vocab_size, (batch, seq_len + 1), generator=generator).to(device)
+    trial(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
+
+
+def maybe_compile(
+    model: nn.Module, setting: CompileSetting, batch: int, seq_len: int, dtype: torch.dtype
+) -> bool:
+    """Compile `model`'s blocks if the setting asks for it on this device and a trial step succeeds; otherwise
+    leave it eager (one warning when compile was asked for but cannot run). Returns whether it compiled."""
+    device = next(model.parameters()).device
+    if not isinstance(model, Transformer) or not wants_compile(setting, device):
+        return False
+    if (reason := unavailable_reason(device)) is not None:
+        warnings.warn(f"parallel.compile: {reason}; training eager instead", stacklevel=2)
+        return False
+    try:
+        trial_step(model, batch, seq_len, dtype)
+    except Exception as error:  # any compiler failure: the eager model is still correct
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        warnings.warn(
+            f"parallel.compile: torch.compile failed on a trial step ({type(error).__name__}: {first_line}); "
+            "training eager instead",
+            stacklevel=2,
+        )
+        return False
+    compile_blocks(model)
+    log.info("compiled %d transformer blocks", len(model.model.layers))
+    return True
