@@ -172,8 +172,8 @@ def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bo
 
     Dense layer: per RMSNorm its input, normalised and scaled outputs (3C, twice); q, k, v and the attention
     output (2HD + 2GD); gate, up, silu(gate) and their product (4F): 6C + 2HD + 2GD + 4F. A MoE layer replaces
-    4F with, per top-k assignment, the gathered input, gate/up, silu(gate), product, expert output and its
-    router-weighted copy (3C + 4I), plus router logits and probabilities (2E). The head keeps the final norm's tensors (3C) and
+    4F with, per top-k assignment, the gathered input, gate/up, silu(gate), product and the expert output back
+    in token order (2C + 4I), plus router logits and probabilities (2E). The head keeps the final norm's tensors (3C) and
     fp32 log-probabilities (V). With activation checkpointing only block inputs are kept, plus one block's
     working set while it is recomputed. Checked against autograd's saved tensors in tests/unit/test_accounting.py.
     """
@@ -182,7 +182,7 @@ def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bo
     for i in range(cfg.n_layers):
         ffn = 4 * cfg.d_ff
         if cfg.moe is not None and cfg.is_moe_layer(i):
-            ffn = cfg.moe.top_k * (3 * C + 4 * cfg.moe.d_ff_expert) + 2 * cfg.moe.n_experts
+            ffn = cfg.moe.top_k * (2 * C + 4 * cfg.moe.d_ff_expert) + 2 * cfg.moe.n_experts
         per_layer.append(6 * C + 2 * HD + 2 * GD + ffn)
         if cfg.attention != "softmax":  # q and k features and a chunk's scores (an estimate, not checked)
             per_layer[-1] += 2 * cfg.n_heads * cfg.feature_dim + cfg.n_heads * min(CHUNK, cfg.max_seq_len)

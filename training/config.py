@@ -76,7 +76,9 @@ class ParallelConfig(BaseModel):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     ep_size: PositiveInt = 1
     activation_checkpointing: bool = False
-    compile: Literal["auto"] | bool = "auto"  # torch.compile of the blocks; auto: on CUDA (training/compile.py)
+    compile: Literal["auto"] | bool = (
+        "auto"  # torch.compile of the blocks; auto: on CUDA (training/compile.py)
+    )
     threads_per_worker: PositiveInt | None = None  # None: cores // workers, at least 1
     max_failures: NonNegativeInt = 0  # Ray Train restarts all workers from the last checkpoint this often
     placement: Literal["pack", "spread", "strict_spread"] = "pack"  # strict_spread: one worker per node
@@ -86,7 +88,9 @@ class ParallelConfig(BaseModel):
 
     def what(self) -> dict[str, Any]:
         """The settings that can change the trained weights (not threads, restarts or placement)."""
-        return self.model_dump(mode="json", exclude={"threads_per_worker", "max_failures", "placement", "compile"})
+        return self.model_dump(
+            mode="json", exclude={"threads_per_worker", "max_failures", "placement", "compile"}
+        )
 
     @model_validator(mode="after")
     def _check_ep(self) -> ParallelConfig:

@@ -7,7 +7,8 @@ Deviations, on purpose:
 - The load-balancing loss divides the per-expert token fraction by top_k, so it equals 1.0 under uniform
   routing for any k (Hugging Face's Mixtral loss equals top_k there). Coefficients therefore do not depend on k.
 - Losses are returned to the caller, never stored on the module, so activation checkpointing keeps their graph.
-- Dispatch is dropless: every token reaches all of its top_k experts; there is no capacity factor.
+- Dispatch is dropless: every token reaches all of its top_k experts; there is no capacity factor. The
+  assignments are sorted by expert and run as one grouped GEMM per projection (as torchtitan and OLMo-core do).
 
 Parameter names follow Hugging Face transformers v5 Mixtral (`mlp.gate.weight`, `mlp.experts.gate_up_proj`,
 `mlp.experts.down_proj`) so a checkpoint maps onto `MixtralForCausalLM` key for key.
@@ -17,6 +18,7 @@ Shape letters: N tokens (batch and time flattened), H d_model, E experts, K top_
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -88,25 +90,34 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, d_ff))  # (E, H, I)
 
     def forward(self, x: Tensor, weights: Tensor, expert_ids: Tensor) -> Tensor:
-        """x (N, H), weights and expert_ids (N, K) -> (N, H). Dropless: sort assignments by expert, one GEMM each."""
+        """x (N, H), weights and expert_ids (N, K) -> (N, H). Dropless: the N·K assignments sorted by expert, two
+        grouped GEMMs over all experts at once, then each token's K outputs mixed by its router weights."""
         n_experts = self.gate_up_proj.shape[0]
-        top_k = expert_ids.shape[1]
+        n_tokens, top_k = expert_ids.shape
         flat_ids = expert_ids.reshape(-1)  # (N*K,)
         order = flat_ids.argsort(stable=True)
-        token_of = order // top_k  # which token each sorted assignment belongs to
-        weight_of = weights.reshape(-1)[order]
-        counts = torch.bincount(flat_ids, minlength=n_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            tokens = token_of[start : start + count]
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n, I) each
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])  # (n, H)
-            out.index_add_(0, tokens, y * weight_of[start : start + count, None])
-            start += count
-        return out
+        counts = torch.zeros(n_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))  # no host sync
+        ends = counts.cumsum(0, dtype=torch.int32)
+        gate, up = grouped_linear(x[order // top_k], self.gate_up_proj, ends).chunk(2, dim=-1)  # (N*K, I)
+        y = grouped_linear(F.silu(gate) * up, self.down_proj, ends)  # (N*K, H), sorted by expert
+        y = y[order.argsort()].view(n_tokens, top_k, -1)  # back in (token, choice) order
+        return (y * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def grouped_linear(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
+    """Rows of x (M, in) grouped by expert (group e ends at row `ends[e]`) times their expert's weight (E, out, in)
+    transposed, in one `grouped_mm` call (CUTLASS on Hopper in bf16; a loop inside PyTorch elsewhere). Without
+    `grouped_mm` (PyTorch < 2.8), or with widths whose rows are not 16-byte aligned as it requires, a Python loop
+    over experts."""
+    weight = weight.to(x.dtype)  # under autocast too: the grouped GEMM takes one dtype
+    if GROUPED_MM is not None and all(d * x.element_size() % 16 == 0 for d in weight.shape[1:]):
+        return GROUPED_MM(x, weight.transpose(1, 2), offs=ends)
+    bounds = [0, *ends.tolist()]
+    return torch.cat([F.linear(x[a:b], weight[e]) for e, (a, b) in enumerate(itertools.pairwise(bounds))])
+
+
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 class MoE(nn.Module):

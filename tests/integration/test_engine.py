@@ -153,16 +153,16 @@ def test_compiled_blocks_train_as_eager_does(tokenized: tuple[DatasetManifest, P
         assert torch.allclose(weights[name], weights["eager"], rtol=1e-4, atol=1e-6)
 
 
-def test_a_failing_compile_falls_back_to_eager_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inductor's C++ compiler is `false` (a real program that fails): one warning, and the eager blocks train."""
+def test_a_failing_compile_falls_back_to_eager_with_one_warning() -> None:
+    """Inductor's C++ compiler is `false` (a real program that fails): one warning, and the eager blocks train.
+    (Inductor's own `patch`: monkeypatching its config module hid `force_disable_caches` from later compiles.)"""
     from torch._inductor import config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", ("false",))
-    monkeypatch.setattr(inductor, "force_disable_caches", True)
     torch._dynamo.reset()
     recipe = load_recipe("smoke")
     model = Transformer(recipe.model)
-    with pytest.warns(UserWarning, match="torch.compile failed on a trial step") as caught:
+    broken = inductor.patch({"cpp.cxx": ("false",), "force_disable_caches": True})
+    with broken, pytest.warns(UserWarning, match="torch.compile failed on a trial step") as caught:
         engine, _ = engine_for(model, "parallel.compile=true")
     assert len([w for w in caught if "parallel.compile" in str(w.message)]) == 1
     assert "forward" not in vars(engine.module.model.layers[0])  # the class's eager forward
