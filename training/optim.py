@@ -94,7 +94,7 @@ def build_optimizer(
             raise ValueError(f"μP's per-width learning rates need optim.name=adamw, not {cfg.name}")
         return build_chain(groups, cfg, model, grad_scale)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)  # foreach on CUDA
     if cfg.name == "muon":
         if any(g.get("lr_mult", 1.0) != 1.0 for g in groups):
             raise ValueError(

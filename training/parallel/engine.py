@@ -41,7 +41,7 @@ def deepspeed_config(parallel: ParallelConfig, optim: OptimConfig, train: TrainC
         "train_batch_size": train.global_batch(parallel.world_size),
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.grad_accum_steps(parallel.world_size),
-        "gradient_clipping": optim.grad_clip,
+        "gradient_clipping": 0.0 if clips_itself(parallel) else optim.grad_clip,
         "zero_optimization": {"stage": parallel.zero_stage},
         "bf16": {"enabled": parallel.precision == "bf16"},
         "fp16": {"enabled": parallel.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
@@ -60,19 +60,28 @@ def checkpoint_activations(model: Transformer) -> None:
         block.forward = lambda *args, _forward=forward: checkpoint(_forward, *args, use_reentrant=False)
 
 
-class DeepSpeedEngine:
-    """The loop's `Engine` over a DeepSpeed engine (DeepSpeed counts micro-batches in its own `step()` calls)."""
+def clips_itself(parallel: ParallelConfig) -> bool:
+    """fp32 without ZeRO: p.grad holds the full (reduced) gradient at the step, so the engine clips it with torch's
+    `clip_grad_norm_` and keeps the norm (DeepSpeed's own clipping there computes the norm and discards it)."""
+    return parallel.zero_stage == 0 and parallel.precision == "fp32"
 
-    def __init__(self, ds: Any) -> None:
+
+class DeepSpeedEngine:
+    """The loop's `Engine` over a DeepSpeed engine (DeepSpeed counts micro-batches in its own `step()` calls).
+    `grad_clip` is applied here when `clips_itself`, else by DeepSpeed."""
+
+    def __init__(self, ds: Any, grad_clip: float = 0.0) -> None:
         self.ds = ds
         self.module: nn.Module = ds.module
         self.accumulation_steps: int = ds.gradient_accumulation_steps()
         self.device = next(ds.module.parameters()).device
         self._micro = 0
-        # DeepSpeed reports no gradient norm for plain fp32 without ZeRO; there p.grad holds the full gradient.
+        self._grad_clip = grad_clip
         self._plain_grads = ds.zero_optimization_stage() == 0 and not (
             ds.bfloat16_enabled() or ds.fp16_enabled()
         )
+        if self._plain_grads and ds.dp_world_size == 1:
+            ds.enable_backward_allreduce = False  # one rank: flatten, all-reduce, copy back was 3% of a step
 
     def forward(self, batch: Batch, with_loss: bool = True) -> ModelOutput:
         targets = batch.targets.to(self.device) if with_loss else None
@@ -86,7 +95,7 @@ class DeepSpeedEngine:
 
     def step(self, lr: float) -> float:
         set_lr(self.ds.optimizer, lr)
-        local = _grad_norm(self.module) if self._plain_grads else float("nan")
+        local = _clip_grad_norm(self.module, self._grad_clip) if self._plain_grads else float("nan")
         self.ds.step()
         self._micro = 0
         reported = self.ds.get_global_grad_norm()
@@ -105,9 +114,14 @@ class DeepSpeedEngine:
             raise FileNotFoundError(f"{directory}: DeepSpeed found no checkpoint to load")
 
 
-def _grad_norm(module: nn.Module) -> float:
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
+def _clip_grad_norm(module: nn.Module, max_norm: float) -> float:
+    """The total gradient norm before clipping to `max_norm` (no clipping when 0)."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    if not params:
+        return float("nan")
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
 
 def build_engine(
@@ -136,4 +150,4 @@ def build_engine(
         ds, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     else:
         ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    return DeepSpeedEngine(ds)
+    return DeepSpeedEngine(ds, optim.grad_clip if clips_itself(parallel) else 0.0)
