@@ -251,6 +251,7 @@ def train_loop(
 
         # --- checkpoint
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps:
+            tracker.flush()  # a resume from this checkpoint never re-logs what went before it: it must be sent
             save_checkpoint(engine, train, setup, state, cfg.keep_checkpoints)
 
     final = evaluation()
