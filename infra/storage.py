@@ -72,15 +72,21 @@ VERIFIED = (
 _verified: dict[tuple[str, int, int], str] = {}  # this process's checks, keyed by (path, bytes, mtime_ns)
 
 
-def file_records(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+def file_records(
+    directory: Path, exclude: tuple[str, ...] = (), known: dict[str, dict[str, Any]] | None = None
+) -> dict[str, dict[str, Any]]:
     """{relative path: {bytes, sha256}} of every regular file under `directory` (dotfiles and `exclude` left
-    out): what a marker records so a later reader can tell a damaged copy from the one that was written."""
+    out): what a marker records so a later reader can tell a damaged copy from the one that was written. Files in
+    `known` (hashed by their writer as they were written) are not read again while their size matches."""
     records = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         relative = path.relative_to(directory).as_posix()
         if relative in exclude or any(part.startswith(".") for part in Path(relative).parts):
             continue
-        stat, digest = path.stat(), sha256_file(path)
+        stat, record = path.stat(), (known or {}).get(relative)
+        digest = (
+            record["sha256"] if record is not None and record["bytes"] == stat.st_size else sha256_file(path)
+        )
         records[relative] = {"bytes": stat.st_size, "sha256": digest}
         _verified[(str(path.resolve()), stat.st_size, stat.st_mtime_ns)] = digest  # just hashed: no re-check
     return records

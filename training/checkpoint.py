@@ -15,6 +15,8 @@ import logging
 import random
 import re
 import shutil
+import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -76,23 +78,36 @@ def prepare_staging(root: Path, step: int) -> Path:
     return staging
 
 
-def commit(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
-    """Rank 0, after every rank wrote into the staging directory: rename into place, mark complete, prune."""
+def commit(
+    root: Path, step: int, meta: dict[str, Any], keep: int, written: dict[str, dict[str, Any]] | None = None
+) -> Path:
+    """Rank 0, after every rank wrote into the staging directory: rename into place, mark complete, prune.
+    `written`: {relative path: {bytes, sha256}} of files hashed as they were written (not read again)."""
     staging, final = staging_dir(root, step), step_dir(root, step)
     atomic_write_json(staging / "meta.json", meta)
     if final.exists():  # an incomplete leftover of a crashed save of the same step
         shutil.rmtree(final)
     staging.rename(final)
-    atomic_write_json(final / COMPLETE, {"step": step, "files": file_records(final)})
+    atomic_write_json(final / COMPLETE, {"step": step, "files": file_records(final, known=written or {})})
     for _, old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old)
+        discard(old)
     for leftover in root.iterdir():
         is_incomplete = _STEP_DIR.match(leftover.name) and not (leftover / COMPLETE).is_file()
         if leftover.is_dir() and (
             is_incomplete or (leftover.name.startswith(".tmp-") and leftover != staging)
         ):
             shutil.rmtree(leftover)
+        elif leftover.name.startswith(".trash-"):  # left by a process that ended while deleting it
+            shutil.rmtree(leftover, ignore_errors=True)
     return final
+
+
+def discard(checkpoint: Path) -> None:
+    """Remove an old checkpoint: renamed away at once (it is no longer listed), deleted on a thread (unlinking
+    gigabytes takes a while, and the training step need not wait for it)."""
+    trash = checkpoint.with_name(f".trash-{checkpoint.name}-{uuid.uuid4().hex[:8]}")
+    checkpoint.rename(trash)
+    threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True).start()
 
 
 def read_meta(checkpoint: Path) -> dict[str, Any]:

@@ -123,6 +123,9 @@ class TrainConfig(BaseModel):
     eval_batches: PositiveInt = 8
     checkpoint_every: PositiveInt = 50
     keep_checkpoints: PositiveInt = 2
+    # write checkpoint files on a background thread (DeepSpeed engine): a save blocks training only while the
+    # state is copied to CPU memory; the checkpoint is marked complete at the next save or at the end of the run
+    async_checkpoint: bool = False
     max_bad_steps: PositiveInt = 5  # consecutive non-finite losses before the run stops
     peak_flops: PositiveFloat | None = (
         None  # per device, for perf/mfu; None: published GPU peak or measured GEMM

@@ -8,7 +8,7 @@ in plain PyTorch, one process, used by unit tests of the loop and as the baselin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +38,13 @@ class Engine(Protocol):
     def train(self, mode: bool = True) -> None: ...
 
     def save(self, directory: Path) -> None:
-        """Module, optimiser and step counters into `directory` (every rank calls it)."""
+        """Module, optimiser and step counters into `directory` (every rank calls it); the files may still be
+        being written when it returns (see `saved`)."""
+        ...
+
+    def saved(self) -> dict[Path, dict[str, Any]]:
+        """Block until every file of the last `save` is on disk; {path: {bytes, sha256}} of those the engine
+        hashed as it wrote them (empty when `save` wrote synchronously)."""
         ...
 
     def load(self, directory: Path) -> None: ...
@@ -89,6 +95,9 @@ class PlainEngine:
             {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict()},
             directory / "engine.pt",
         )
+
+    def saved(self) -> dict[Path, dict[str, Any]]:
+        return {}
 
     def load(self, directory: Path) -> None:
         state = torch.load(directory / "engine.pt", weights_only=False)

@@ -203,6 +203,7 @@ def train_loop(
             engine.train(True)
         return metrics
 
+    pending: PendingCheckpoint | None = None
     while state.step < cfg.max_steps:
         # --- eval
         if val is not None and state.step % cfg.eval_every == 0:
@@ -211,6 +212,9 @@ def train_loop(
         # --- a decay branch to a shorter horizon, from the stable phase
         horizon = branches.get(state.step)
         if horizon is not None and horizon not in done:
+            if pending is not None:  # the branch saves and loads a snapshot of its own
+                finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
+                pending = None
             metrics = decay_branch(engine, train, objective, optim, setup, state.step, horizon, evaluation)
             log({**metrics, "horizon/steps": horizon, "horizon/tokens": horizon * tokens_per_step}, horizon)
 
@@ -249,11 +253,18 @@ def train_loop(
             if setup.progress is not None and setup.rank == 0:
                 setup.progress(state.step, outcome.loss, tokens_per_s)
 
-        # --- checkpoint
+        # --- checkpoint (with async_checkpoint the previous one is completed first, this one at the next)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps:
             tracker.flush()  # a resume from this checkpoint never re-logs what went before it: it must be sent
-            save_checkpoint(engine, train, setup, state, cfg.keep_checkpoints)
+            if pending is not None:
+                finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
+            pending = start_checkpoint(engine, train, setup, state)
+            if not cfg.async_checkpoint:
+                finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
+                pending = None
 
+    if pending is not None:
+        finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
     final = evaluation()
     if final:
         log(final, state.step)
@@ -287,6 +298,7 @@ def decay_branch(
     barrier()
     staging = ckpt.staging_dir(snapshot, start)
     engine.save(staging)
+    engine.saved()
     ckpt.save_rank_state(staging, setup.rank, train.state_dict())
     for step in range(start, horizon):  # a non-finite step here is skipped (lr 0) like any other
         outcome = optimizer_step(engine, train, objective, lr_at(step, optim, horizon), setup.world_size)
@@ -331,8 +343,17 @@ def barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState, keep: int) -> Path:
-    """All ranks write into a staging directory; rank 0 renames it into place and marks it complete."""
+@dataclass(frozen=True)
+class PendingCheckpoint:
+    """A checkpoint whose files are (being) written into its staging directory, not yet marked complete."""
+
+    step: int
+    meta: dict[str, Any]
+
+
+def start_checkpoint(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState) -> PendingCheckpoint:
+    """All ranks write into a staging directory (an engine with `train.async_checkpoint` may still be writing
+    when this returns)."""
     root = setup.run_dir / "checkpoints"
     if setup.rank == 0:
         ckpt.prepare_staging(root, state.step)
@@ -340,11 +361,28 @@ def save_checkpoint(engine: Engine, train: Batches, setup: LoopSetup, state: Loo
     staging = ckpt.staging_dir(root, state.step)
     engine.save(staging)
     ckpt.save_rank_state(staging, setup.rank, train.state_dict())
-    barrier()
+    return PendingCheckpoint(state.step, {**setup.meta, "loop": asdict(state)})
+
+
+def finish_checkpoint(engine: Engine, setup: LoopSetup, pending: PendingCheckpoint, keep: int) -> Path:
+    """Once every rank's files are on disk, rank 0 renames the staging directory into place and marks it
+    complete (with the digests the engine computed while writing, where it did)."""
+    root = setup.run_dir / "checkpoints"
+    staging = ckpt.staging_dir(root, pending.step)
+    written = {path.relative_to(staging).as_posix(): record for path, record in engine.saved().items()}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, written)
+        written = {k: v for records in everyone for k, v in records.items()}
     if setup.rank == 0:
-        ckpt.commit(root, state.step, {**setup.meta, "loop": asdict(state)}, keep)
+        ckpt.commit(root, pending.step, pending.meta, keep, written)
     barrier()
-    return ckpt.step_dir(root, state.step)
+    return ckpt.step_dir(root, pending.step)
+
+
+def save_checkpoint(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState, keep: int) -> Path:
+    """All ranks write into a staging directory; rank 0 renames it into place and marks it complete."""
+    return finish_checkpoint(engine, setup, start_checkpoint(engine, train, setup, state), keep)
 
 
 def resume(engine: Engine, train: Batches, setup: LoopSetup) -> LoopState:

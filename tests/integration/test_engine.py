@@ -34,14 +34,20 @@ def engine_for(model: Transformer, *overrides: str):
 
 
 def run_steps(
-    engine, recipe, manifest: DatasetManifest, run_dir: Path, steps: int, state: LoopState | None = None
+    engine,
+    recipe,
+    manifest: DatasetManifest,
+    run_dir: Path,
+    steps: int,
+    state: LoopState | None = None,
+    checkpoint_every: int = 10_000,
 ) -> LoopState:
     loader = PackedLoader(manifest, seq_len=recipe.train.seq_len, batch_size=recipe.train.micro_batch_size)
     for _ in range(state.step * engine.accumulation_steps if state else 0):
         loader.next_batch()
     setup = LoopSetup(run_dir=run_dir, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
     train = recipe.train.model_copy(
-        update={"max_steps": steps, "checkpoint_every": 10_000, "max_bad_steps": 3}
+        update={"max_steps": steps, "checkpoint_every": checkpoint_every, "max_bad_steps": 3}
     )
     return train_loop(engine, loader, None, train, recipe.optim, setup, NullTracker(), state or LoopState())
 
@@ -308,3 +314,46 @@ def test_matrix_optimisers_see_matrices_learn_and_resume_exactly(
     assert losses_of(tmp_path / "resumed") == curve[6:]
     after, again = snapshot(engine), snapshot(resumed)
     assert all(torch.equal(after[k], again[k]) for k in after)
+
+
+def test_async_checkpoints_hold_the_same_state_and_true_digests(
+    tokenized: tuple[DatasetManifest, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `train.async_checkpoint` a save copies the state and writes it on a thread while training goes on; the
+    checkpoints that get committed (the previous at each save, the last at the end) hold exactly what the
+    synchronous run's do, and their markers' digests (computed while writing) match the files. The disk is slow
+    here (each file waits 0.3 s), so training has moved on by the time a file is written."""
+    import time
+
+    from training import checkpoint as ckpt
+    from training.parallel import checkpoint_writer
+
+    write_file = checkpoint_writer.write_file
+
+    def slow_write_file(state, path):  # noqa: ANN001, ANN202
+        time.sleep(0.3)
+        return write_file(state, path)
+
+    monkeypatch.setattr(checkpoint_writer, "write_file", slow_write_file)
+    manifest, _ = tokenized
+    found = {}
+    for mode in ("false", "true"):
+        torch.manual_seed(0)
+        engine, recipe = engine_for(Transformer(load_recipe("smoke").model), f"train.async_checkpoint={mode}")
+        (tmp_path / mode).mkdir()
+        run_steps(engine, recipe, manifest, tmp_path / mode, steps=6, checkpoint_every=2)
+        found[mode] = ckpt.complete_checkpoints(tmp_path / mode / "checkpoints")
+        assert [step for step, _ in found[mode]] == [4, 6]  # keep 2
+        assert all(ckpt.damage(path) is None for _, path in found[mode])
+        assert not list((tmp_path / mode / "checkpoints").glob(".*"))  # no staging or trash left
+    assert losses_of(tmp_path / "true") == losses_of(tmp_path / "false")
+    for (_, sync), (_, background) in zip(found["false"], found["true"], strict=True):
+        a, b = (
+            torch.load(p / "state" / "mp_rank_00_model_states.pt", weights_only=False)
+            for p in (sync, background)
+        )
+        assert a["module"].keys() == b["module"].keys()
+        assert all(torch.equal(a["module"][k], b["module"][k]) for k in a["module"])
+        moments = [(a["optimizer"]["state"][i], b["optimizer"]["state"][i]) for i in a["optimizer"]["state"]]
+        assert all(torch.equal(x["exp_avg_sq"], y["exp_avg_sq"]) for x, y in moments)
+        assert ckpt.read_meta(sync)["loop"] == ckpt.read_meta(background)["loop"]

@@ -108,6 +108,9 @@ class DeepSpeedEngine:
         """All ranks: module, optimizer and step counters (without DeepSpeed's `latest` pointer)."""
         self.ds.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
 
+    def saved(self) -> dict[Path, dict[str, Any]]:
+        return self.ds.checkpoint_engine.wait()  # a `CheckpointWriter`
+
     def load(self, directory: Path) -> None:
         path, _ = self.ds.load_checkpoint(str(directory), tag=DS_TAG, load_lr_scheduler_states=False)
         if path is None:
@@ -150,4 +153,7 @@ def build_engine(
         ds, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     else:
         ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    from training.parallel.checkpoint_writer import CheckpointWriter  # imports DeepSpeed
+
+    ds.checkpoint_engine = CheckpointWriter(background=train.async_checkpoint)
     return DeepSpeedEngine(ds, optim.grad_clip if clips_itself(parallel) else 0.0)

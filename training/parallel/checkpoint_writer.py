@@ -1,0 +1,110 @@
+"""DeepSpeed's checkpoint files, hashed as they are written, and optionally written while training goes on.
+
+DeepSpeed hands every file of a checkpoint to its checkpoint engine's `save`. This one serialises it (without
+torch's per-record CRC32: the file's sha256 covers it), hashes the bytes while they go out (so
+the `COMPLETE` marker needs no second read) and fsyncs. With `background` (`train.async_checkpoint`) `save` only
+copies the state dict's tensors into CPU memory, which is all the training step waits for, and queues the write
+on a writer thread. `wait()` blocks until every file is on disk and returns their records; the loop commits the
+checkpoint only then, so a crash mid-write leaves a staging directory that is never loaded
+(`training/checkpoint.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.serialization
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+from torch.utils._pytree import tree_map
+
+
+class HashingFile:
+    """A write-only file whose bytes are counted and hashed (sha256) as they are written: a large chunk is hashed
+    on a second thread while the file takes it (hashlib and the write both release the GIL), without a copy."""
+
+    PARALLEL_ABOVE = 1 << 20
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "wb")  # noqa: SIM115 - closed by `close`
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data: bytes) -> int:
+        self.bytes += len(data)
+        if len(data) < self.PARALLEL_ABOVE:
+            self.sha256.update(data)
+            return self.file.write(data)
+        hashing = HASHER.submit(self.sha256.update, data)
+        written = self.file.write(data)
+        hashing.result()
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+
+
+def write_file(state: Any, path: str) -> tuple[str, dict[str, Any]]:
+    out = HashingFile(path)
+    try:
+        with torch.utils.serialization.config.patch({"save.compute_crc32": False}):
+            torch.save(state, out)
+    finally:
+        out.close()
+    return path, {"bytes": out.bytes, "sha256": out.sha256.hexdigest()}
+
+
+def snapshot(state: Any) -> Any:
+    """The state dict with every tensor copied to CPU memory (training may change the originals next step)."""
+    return tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, state)
+
+
+class CheckpointWriter(CheckpointEngine):
+    """A DeepSpeed checkpoint engine that records each file's digest; with `background`, `save` returns once the
+    state is copied and the files are written on a thread (`wait` for them)."""
+
+    def __init__(self, background: bool = False) -> None:
+        super().__init__()
+        self.name = "lmforge"
+        self.pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") if background else None
+        )
+        self.pending: list[Future[tuple[str, dict[str, Any]]]] = []
+        self.written: list[tuple[str, dict[str, Any]]] = []
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self.wait()  # a new checkpoint: records of an earlier save nobody asked for are dropped
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self.pool is None:
+            self.written.append(write_file(state_dict, path))
+        else:
+            self.pending.append(self.pool.submit(write_file, snapshot(state_dict), path))
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        return self.pool is None  # else `snapshot` copies each tensor on its own
+
+    def wait(self) -> dict[Path, dict[str, Any]]:
+        """{path: {bytes, sha256}} of the current checkpoint's files, once all are on disk; a failed write raises
+        here."""
+        pending, self.pending = self.pending, []
+        written, self.written = [*self.written, *(future.result() for future in pending)], []
+        return {Path(path): record for path, record in written}
