@@ -18,6 +18,7 @@ All in one run, one JSON line, per model shape (`demo`, the demo's tiny model, a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -80,7 +81,13 @@ def time_interleaved(steps: dict[str, Callable[[Batch], object]], data: list[Bat
 
 
 def engine_step(
-    cfg: ModelConfig, seq: int, micro: int, device: torch.device, precision: str, compile: bool = False
+    cfg: ModelConfig,
+    seq: int,
+    micro: int,
+    device: torch.device,
+    precision: str,
+    compile: bool = False,
+    zero_stage: int = 0,
 ):
     """One optimiser step of our engine (DeepSpeed, 1 worker, the default ZeRO-0) as a function of the batch."""
     from training.parallel import build_engine
@@ -90,6 +97,7 @@ def engine_step(
         [
             f"parallel.precision={precision}",
             f"parallel.compile={str(compile).lower()}",
+            f"parallel.zero_stage={zero_stage}",
             f"train.seq_len={seq}",
             f"train.micro_batch_size={micro}",
             f"train.global_batch_size={micro}",
@@ -120,6 +128,13 @@ def plain_step(cfg: ModelConfig, device: torch.device, precision: str):
     return step
 
 
+def release() -> None:
+    """Free the previous contenders' memory (DeepSpeed engines hold reference cycles) before building the next."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def gemm_peak(dtype: torch.dtype, device: torch.device, cfg: ModelConfig, tokens: int) -> float:
     """The machine's GEMM peak for this dtype: the best of a large square GEMM and one at the model's shapes."""
     square = 8192 if device.type == "cuda" else 1024
@@ -145,6 +160,7 @@ def measure_shape(name: str, steps: int, device: torch.device, precision: str, c
         },
         data,
     )
+    release()
     s |= time_interleaved(
         {
             "moe": engine_step(moe, seq, micro, device, precision),
@@ -166,6 +182,7 @@ def measure_shape(name: str, steps: int, device: torch.device, precision: str, c
     }
     if (published := published_peak(device)) is not None:
         report["mfu_vs_published_peak"] = round(flops / engine_s / published, 4)
+    release()
     if compile:
         compiled_s = time_interleaved(
             {"c": engine_step(cfg, seq, micro, device, precision, compile=True)}, data
