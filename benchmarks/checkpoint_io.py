@@ -88,9 +88,10 @@ def main() -> None:
             name: [] for name in ("raw", "sync", "sync_stall", "async", "async_stall")
         }
         size = 0
+        writers = {"sync": CheckpointWriter(), "async": CheckpointWriter(background=True)}
         for step in range(1, args.repeats + 1):
             for mode in ("sync", "async"):
-                engine.ds.checkpoint_engine = CheckpointWriter(background=mode == "async")
+                engine.ds.checkpoint_engine = writers[mode]  # one per run, as in training
                 start = time.perf_counter()
                 pending = start_checkpoint(engine, Position(), setup, LoopState(step=2 * step))
                 blocked = time.perf_counter() - start  # async: training resumes here

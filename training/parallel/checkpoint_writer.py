@@ -20,12 +20,13 @@ from typing import Any
 import torch
 import torch.utils.serialization
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 
 class HashingFile:
     """A write-only file whose bytes are counted and hashed (sha256) as they are written: a large chunk is hashed
-    on a second thread while the file takes it (hashlib and the write both release the GIL), without a copy."""
+    on a second thread while the file takes it (hashlib and the write both release the GIL), without a copy, and
+    its write-back to disk starts at once."""
 
     PARALLEL_ABOVE = 1 << 20
 
@@ -41,6 +42,8 @@ class HashingFile:
             return self.file.write(data)
         hashing = HASHER.submit(self.sha256.update, data)
         written = self.file.write(data)
+        if hasattr(os, "posix_fadvise"):  # start writing these pages back now: the closing fsync waits less
+            os.posix_fadvise(self.file.fileno(), self.bytes - len(data), len(data), os.POSIX_FADV_DONTNEED)
         hashing.result()
         return written
 
@@ -66,9 +69,18 @@ def write_file(state: Any, path: str) -> tuple[str, dict[str, Any]]:
     return path, {"bytes": out.bytes, "sha256": out.sha256.hexdigest()}
 
 
-def snapshot(state: Any) -> Any:
-    """The state dict with every tensor copied to CPU memory (training may change the originals next step)."""
-    return tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, state)
+def without_views(state: Any) -> Any:
+    """The state dict with each tensor that is a view into a larger storage cloned (torch.save would write all
+    of that storage), the others as they are: what DeepSpeed's `clone_tensors_for_torch_save` guards against,
+    without copying every tensor (a fresh 160 MB copy took 0.1 s here, as long as writing it)."""
+
+    def own(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        whole = v.storage_offset() == 0 and v.untyped_storage().nbytes() == v.numel() * v.element_size()
+        return v.detach() if whole else v.detach().clone()
+
+    return tree_map(own, state)
 
 
 class CheckpointWriter(CheckpointEngine):
@@ -83,15 +95,37 @@ class CheckpointWriter(CheckpointEngine):
         )
         self.pending: list[Future[tuple[str, dict[str, Any]]]] = []
         self.written: list[tuple[str, dict[str, Any]]] = []
+        self.copies: dict[str, list[Any]] = {}  # file name -> the last snapshot's leaves, reused by the next
 
     def create(self, info: CheckpointCommitInfo) -> None:
         self.wait()  # a new checkpoint: records of an earlier save nobody asked for are dropped
 
     def save(self, state_dict: Any, path: str) -> None:
         if self.pool is None:
-            self.written.append(write_file(state_dict, path))
+            self.written.append(write_file(without_views(state_dict), path))
         else:
-            self.pending.append(self.pool.submit(write_file, snapshot(state_dict), path))
+            self.pending.append(
+                self.pool.submit(write_file, self.snapshot(state_dict, Path(path).name), path)
+            )
+
+    def snapshot(self, state: Any, name: str) -> Any:
+        """`state` with every tensor copied to CPU memory (training changes the originals next step), into the
+        previous checkpoint's copies of the same file where shapes match: memory already mapped takes a copy
+        several times faster than a fresh allocation. `create` has waited for that checkpoint's writes."""
+        leaves, spec = tree_flatten(state)
+        previous = self.copies.get(name, [])
+        copies = []
+        for i, value in enumerate(leaves):
+            if not isinstance(value, torch.Tensor):
+                copies.append(value)
+                continue
+            old = previous[i] if i < len(previous) else None
+            if isinstance(old, torch.Tensor) and (old.shape, old.dtype) == (value.shape, value.dtype):
+                copies.append(old.copy_(value.detach()))
+            else:
+                copies.append(value.detach().to("cpu", copy=True))
+        self.copies[name] = copies
+        return tree_unflatten(copies, spec)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         return torch.load(path, map_location=map_location, weights_only=False)
@@ -100,7 +134,7 @@ class CheckpointWriter(CheckpointEngine):
         return True
 
     def preserves_storage_sharing(self) -> bool:
-        return self.pool is None  # else `snapshot` copies each tensor on its own
+        return False  # DeepSpeed need not clone every tensor first: `without_views` / `snapshot` see to it
 
     def wait(self) -> dict[Path, dict[str, Any]]:
         """{path: {bytes, sha256}} of the current checkpoint's files, once all are on disk; a failed write raises
