@@ -98,6 +98,7 @@ def engine_step(
             f"parallel.precision={precision}",
             f"parallel.compile={str(compile).lower()}",
             f"parallel.zero_stage={zero_stage}",
+            f"model.max_seq_len={max(seq, cfg.max_seq_len)}",  # the recipe's check; the model is `cfg`
             f"train.seq_len={seq}",
             f"train.micro_batch_size={micro}",
             f"train.global_batch_size={micro}",
