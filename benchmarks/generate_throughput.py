@@ -43,7 +43,7 @@ def main() -> None:
     contenders: dict[str, Callable[[], Tensor]] = {"ours": lambda: generate(ours, prompt, args.new)}
     for attention in ("sdpa", "eager"):
         hf = build_hf_model(cfg).eval()
-        hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=False)
+        hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=True)
         hf.config._attn_implementation = attention
         settings = {
             "max_new_tokens": args.new,
