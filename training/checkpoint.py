@@ -88,7 +88,7 @@ def commit(
     if final.exists():  # an incomplete leftover of a crashed save of the same step
         shutil.rmtree(final)
     staging.rename(final)
-    atomic_write_json(final / COMPLETE, {"step": step, "files": file_records(final, known=written or {})})
+    atomic_write_json(final / COMPLETE, {"step": step, "files": file_records(final, known=written)})
     for _, old in complete_checkpoints(root)[:-keep]:
         discard(old)
     for leftover in root.iterdir():

@@ -99,10 +99,8 @@ class Experts(nn.Module):
         counts = torch.zeros(n_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))  # no host sync
         ends = counts.cumsum(0, dtype=torch.int32)
-        token = order // top_k  # the token of each sorted assignment
-        gate, up = grouped_linear(x.index_select(0, token), self.gate_up_proj, ends).chunk(
-            2, dim=-1
-        )  # (N*K, I)
+        routed = x.index_select(0, order // top_k)  # (N*K, H): each sorted assignment's token
+        gate, up = grouped_linear(routed, self.gate_up_proj, ends).chunk(2, dim=-1)  # (N*K, I)
         y = grouped_linear(F.silu(gate) * up, self.down_proj, ends)  # (N*K, H), sorted by expert
         y = y.index_select(0, order.argsort()).view(n_tokens, top_k, -1)  # back in (token, choice) order
         return (y * weights.unsqueeze(-1)).sum(dim=1)

@@ -109,9 +109,8 @@ class CheckpointWriter(CheckpointEngine):
         )
         self.pending: list[Future[tuple[str, dict[str, Any]]]] = []
         self.written: list[tuple[str, dict[str, Any]]] = []
-        self.copies: dict[
-            str, list[torch.Tensor]
-        ] = {}  # file name -> the last snapshot's tensors, reused next
+        # file name -> the last snapshot's tensors, reused by the next
+        self.copies: dict[str, list[torch.Tensor]] = {}
 
     def create(self, info: CheckpointCommitInfo) -> None:
         self.wait()  # a new checkpoint: records of an earlier save nobody asked for are dropped
