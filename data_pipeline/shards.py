@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.sources import DataError
+from infra import blob_cache
+from infra.object_store import open_store
 from infra.steps import Artifact
 from infra.storage import (
     MANIFEST,
@@ -66,6 +68,8 @@ class TokenizerInfo(BaseModel):
 
 class DatasetManifest(Artifact):
     """What `run_tokenize` produced; written last, so its presence means every shard is complete."""
+
+    lazy_files: ClassVar[tuple[str, ...]] = ("*.arrow",)  # on object storage, read through the shard cache
 
     version: int
     tokenizer: TokenizerInfo
@@ -203,6 +207,8 @@ class ShardReader:
         self.arrays: list[np.ndarray] = []
         for info in manifest.splits[split].shards:
             path = Path(manifest.path) / info.file
+            if not path.is_file() and manifest.uri:  # on object storage: through this node's cache
+                path = blob_cache.fetch(open_store(manifest.uri), info.file, info.sha256, info.bytes)
             if not path.is_file():
                 raise DataError(f"{path}: shard listed in the manifest is missing; re-run `lmforge tokenize`")
             if verify:

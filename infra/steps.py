@@ -5,6 +5,10 @@ never by path) and how to build. `run_step` owns the rest: the content-addressed
 `<root>/<stage>/<name>-<hash>/`, a lock so two identical runs never build into one directory, the manifest
 written last and atomically, and the rule that a finished step is returned as is (a rerun is a no-op). A
 directory without a manifest is unfinished: `build` is called on it again and may resume what it finds.
+
+A root may be an object-store URI (`s3://bucket/prefix`): the step is built in this node's copy of its directory
+(`infra/mirror.py`), after pulling what another node left of it, and pushed with the manifest last; a finished
+remote step is pulled, verified, and returned with local paths.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from infra import mirror
 from infra.errors import UserError
+from infra.object_store import Store, is_remote, open_store
 from infra.storage import MANIFEST, atomic_write_json, digest_of
 
 log = logging.getLogger(__name__)
@@ -33,6 +39,10 @@ class Artifact(BaseModel):
 
     path: str
     key: str = ""
+    uri: str = ""  # where the step's directory lives when its root is an object store
+
+    # files read lazily through the digest-keyed cache, never pulled with the directory (fnmatch patterns)
+    lazy_files: ClassVar[tuple[str, ...]] = ()
 
     def digest(self) -> str:
         """What downstream steps key on: by default the digest of everything that determined this artifact."""
@@ -41,6 +51,14 @@ class Artifact(BaseModel):
     def damage(self) -> str | None:
         """What is wrong with the files this artifact points at (none checked unless a kind overrides it)."""
         return None
+
+    def materialize(self) -> None:
+        """On a node that has no copy of a remote artifact (a worker elsewhere in the cluster): pull it, and the
+        other stage directories of the same root it points into (a dataset's tokenizer, a run's base model)."""
+        if not self.uri or (Path(self.path) / MANIFEST).is_file():
+            return
+        root_uri = self.uri.rsplit("/", 2)[0]
+        mirror.pull_referenced(root_uri, self.model_dump(mode="json"), {self.uri: self.lazy_files})
 
     @classmethod
     def load(cls, directory: str | Path) -> Any:
@@ -87,21 +105,54 @@ class Step(Generic[A]):
     def digest(self) -> str:
         return digest_of(self.key())
 
+    def relative(self) -> str:
+        return f"{self.stage}/{self.name}-{self.digest()[:12]}"
+
     def directory(self, root: str | Path) -> Path:
-        """`<root>/<stage>/<name>-<first 12 hex of the key digest>`; not created."""
-        return Path(root) / self.stage / f"{self.name}-{self.digest()[:12]}"
+        """`<root>/<stage>/<name>-<first 12 hex of the key digest>` (this node's copy of it when `root` is an
+        object store); not created."""
+        local_root = mirror.local_path(str(root)) if is_remote(root) else Path(root)
+        return local_root / self.relative()
+
+    def store(self, root: str | Path) -> Store:
+        return open_store(str(root)).sub(self.relative())
 
     def finished(self, root: str | Path) -> A | None:
         """The step's artifact when it has finished and its files are intact, else None (a damaged one is named
         in a warning and built again: training resumes from its newest intact checkpoint)."""
+        if is_remote(root):
+            return self._finished_remote(root)
         manifest = self.directory(root) / MANIFEST
         if not manifest.is_file():
             return None
-        artifact = self.kind.model_validate_json(manifest.read_text())
+        return self._intact(self.kind.model_validate_json(manifest.read_text()), root)
+
+    def _finished_remote(self, root: str | Path) -> A | None:
+        store = self.store(root)
+        manifest = mirror.read_manifest(store)
+        if manifest is None:
+            return None
+        try:
+            mirror.pull(store, self.directory(root), self.kind.lazy_files)
+        except mirror.DamagedObject as problem:
+            log.warning("%s finished but is damaged (%s); rebuilding it", store.uri, problem)
+            return None
+        atomic_write_json(self.directory(root) / MANIFEST, manifest)
+        return self._intact(self.kind.model_validate(manifest), root)
+
+    def _intact(self, artifact: A, root: str | Path) -> A | None:
         if problem := artifact.damage():
             log.warning("%s finished but is damaged (%s); rebuilding it", self.directory(root), problem)
             return None
         return artifact
+
+
+def _built_not_pushed(step: Step[A], out: Path) -> A | None:
+    """The artifact this node built into `out` whose push did not finish (intact), else None."""
+    if not (out / MANIFEST).is_file():
+        return None
+    artifact = step.kind.model_validate_json((out / MANIFEST).read_text())
+    return artifact if artifact.damage() is None else None
 
 
 @contextmanager
@@ -118,6 +169,8 @@ def _locked(directory: Path) -> Iterator[None]:
 
 def run_step(root: str | Path, step: Step[A], build: Callable[[Path, str], A]) -> A:
     """The step's artifact: the finished one, or `build(directory, key_digest)` with the manifest written last."""
+    if is_remote(root):
+        open_store(str(root)).check()  # a missing bucket or refused credentials: one line, before any work
     done = step.finished(root)
     if done is not None:
         return done
@@ -127,6 +180,16 @@ def run_step(root: str | Path, step: Step[A], build: Callable[[Path, str], A]) -
         if done is not None:
             return done
         key = step.digest()
-        artifact = build(out, key).model_copy(update={"path": str(out.resolve()), "key": key})
+        store = step.store(root) if is_remote(root) else None
+        if store is not None and (built := _built_not_pushed(step, out)) is not None:
+            mirror.push(out, store, built.model_dump(mode="json"))  # an upload cut short: finish it
+            return built
+        if store is not None:
+            mirror.pull_unfinished(store, out)  # what another node left: resume from it
+        artifact = build(out, key).model_copy(
+            update={"path": str(out.resolve()), "key": key, "uri": store.uri if store else ""}
+        )
         atomic_write_json(out / MANIFEST, artifact.model_dump(mode="json"))
+        if store is not None:
+            mirror.push(out, store, artifact.model_dump(mode="json"))
     return artifact

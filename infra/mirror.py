@@ -1,0 +1,209 @@
+"""Local working copies of stage directories that live on object storage.
+
+A stage whose root is `s3://bucket/prefix` builds in `<cache>/mirror/s3/bucket/prefix/<stage>/<name-hash>/` (the
+cache is `$LMFORGE_CACHE`, default `~/.cache/lmforge`; nodes of one cluster use the same one) and is then pushed:
+every file, then `.files.json` (each file's size and sha256), then the manifest, last, because an object store has
+no rename. A directory without a remote manifest is unfinished. Pulling a finished directory downloads each file
+once, checked against `.files.json`; files a kind reads lazily (token shards) are only size-checked here and are
+fetched through the digest-keyed cache (`infra/blob_cache.py`) when read. Absolute paths inside manifests are
+stored as URIs remotely and mapped back to this node's copy when pulled.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from infra.object_store import StorageError, Store, open_store, split_uri
+from infra.storage import MANIFEST, atomic_write_json, damaged_file, file_records
+
+log = logging.getLogger(__name__)
+
+FILES = ".files.json"  # remote, per finished directory: {relative path: {bytes, sha256}}
+PUSHED = ".pushed.json"  # local: {relative path: [bytes, mtime_ns]} of files this copy already uploaded
+
+
+class DamagedObject(StorageError):
+    """An object whose size or sha256 differs from what was recorded when it was written."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LMFORGE_CACHE") or Path.home() / ".cache" / "lmforge").resolve()
+
+
+def mirror_root() -> Path:
+    return cache_root() / "mirror"
+
+
+def local_path(uri: str) -> Path:
+    """This node's copy of `uri`: `<cache>/mirror/<scheme>/<bucket>/<prefix>`."""
+    scheme, bucket, prefix = split_uri(uri)
+    return mirror_root().joinpath(scheme, bucket, *[p for p in prefix.split("/") if p])
+
+
+def _map_strings(value: Any, old: str, new: str) -> Any:
+    if isinstance(value, str):
+        return new + value[len(old) :] if value.startswith(old) else value
+    if isinstance(value, dict):
+        return {k: _map_strings(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, old, new) for v in value]
+    return value
+
+
+def to_uris(value: Any) -> Any:
+    """`value` (a manifest as JSON) with every path into the mirror written as the URI it copies."""
+    root = str(mirror_root()) + "/"
+    for scheme in ("s3", "gs", "abfs"):
+        value = _map_strings(value, root + scheme + "/", f"{scheme}://")
+    return value
+
+
+def to_local(value: Any) -> Any:
+    """The inverse of `to_uris`, for this node's mirror."""
+    root = str(mirror_root()) + "/"
+    for scheme in ("s3", "gs", "abfs"):
+        value = _map_strings(value, f"{scheme}://", root + scheme + "/")
+    return value
+
+
+def _lazy(relative: str, lazy: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatch(relative, pattern) for pattern in lazy)
+
+
+def read_manifest(store: Store) -> dict[str, Any] | None:
+    """The remote manifest of `store`'s directory as local JSON, or None when it has not finished."""
+    if store.size(MANIFEST) is None:
+        return None
+    return to_local(json.loads(store.read_bytes(MANIFEST)))
+
+
+def pull(store: Store, local: Path, lazy: Iterable[str] = ()) -> None:
+    """Make `local` a verified copy of the finished directory at `store` (files already here and intact are kept;
+    `lazy` patterns are only size-checked). A damaged object raises `DamagedObject` after it and the remote
+    manifest are deleted, so the directory reads as unfinished and the rebuild uploads it again."""
+    records: dict[str, dict[str, Any]] = json.loads(store.read_bytes(FILES))
+    sizes = store.listing()
+    for relative, record in records.items():
+        if sizes.get(relative) != record["bytes"]:
+            _unfinish(store, relative, f"{sizes.get(relative, 0)} bytes, {record['bytes']} when written")
+        if _lazy(relative, lazy) or _intact(local / relative, record):
+            continue
+        try:
+            store.download(relative, local / relative, record["sha256"], record["bytes"])
+        except StorageError as error:
+            if "when written" in str(error):
+                _unfinish(store, relative, "bytes differ from the sha256 recorded when it was written")
+            raise
+    _remember_pushed(local, records)
+
+
+def _intact(path: Path, record: dict[str, Any]) -> bool:
+    return path.is_file() and damaged_file(path.parent, {path.name: record}) is None
+
+
+def _unfinish(store: Store, relative: str, problem: str) -> None:
+    store.delete(MANIFEST)
+    store.delete(relative)
+    raise DamagedObject(f"{store.url(relative)}: {problem} (truncated or corrupted); it is rebuilt")
+
+
+def pull_unfinished(store: Store, local: Path) -> None:
+    """What another node left of an unfinished directory: its plain files and its newest complete checkpoint
+    (`checkpoints/step-N/COMPLETE` is uploaded last, so a listed COMPLETE means every file before it is there)."""
+    listing = store.listing()
+    complete = sorted(
+        r.split("/")[1] for r in listing if r.startswith("checkpoints/step-") and r.endswith("/COMPLETE")
+    )
+    newest = f"checkpoints/{complete[-1]}/" if complete else None
+    wanted = [r for r in listing if not r.startswith(("checkpoints/", "ray/")) and r != MANIFEST]
+    if newest is not None:
+        marker = json.loads(store.read_bytes(newest + "COMPLETE"))
+        files = marker.get("files") or {}
+        target = local / newest
+        if not (target / "COMPLETE").is_file() or damaged_file(target, files) is not None:
+            for relative, record in files.items():
+                if not _intact(target / relative, record):
+                    store.download(newest + relative, target / relative, record["sha256"], record["bytes"])
+            wanted.append(newest + "COMPLETE")
+            log.info("resuming from %s (pulled from the store)", store.url(newest))
+    for relative in wanted:
+        path = local / relative
+        if not path.is_file() or path.stat().st_size != listing[relative]:
+            store.download(relative, path, size=listing[relative])
+
+
+def _remember_pushed(local: Path, records: dict[str, dict[str, Any]]) -> None:
+    pushed = {}
+    for relative, record in records.items():
+        path = local / relative
+        if path.is_file() and path.stat().st_size == record["bytes"]:
+            pushed[relative] = [record["bytes"], path.stat().st_mtime_ns]
+    if local.is_dir():
+        atomic_write_json(local / PUSHED, pushed)
+
+
+def upload_new(local: Path, store: Store, relatives: Iterable[str], force: Iterable[str] = ()) -> None:
+    """Upload those of `relatives` (files under `local`) that this copy has not uploaded as they are now, and
+    every one in `force`."""
+    force = set(force)
+    try:
+        pushed: dict[str, list[int]] = json.loads((local / PUSHED).read_text())
+    except (OSError, ValueError):
+        pushed = {}
+    for relative in relatives:
+        stat = (local / relative).stat()
+        if relative in force or pushed.get(relative) != [stat.st_size, stat.st_mtime_ns]:
+            store.upload(local / relative, relative)
+            pushed[relative] = [stat.st_size, stat.st_mtime_ns]
+    atomic_write_json(local / PUSHED, pushed)
+
+
+def push(local: Path, store: Store, manifest: dict[str, Any], exclude: tuple[str, ...] = ("ray/",)) -> None:
+    """Upload a finished directory: files not yet there, `.files.json`, then the manifest (with URIs) last."""
+    records = {
+        relative: record
+        for relative, record in file_records(local, exclude=(MANIFEST,)).items()
+        if not relative.startswith(exclude)
+    }
+    remote = store.listing()
+    differ = [
+        r for r, record in records.items() if remote.get(r) != record["bytes"]
+    ]  # absent or another size
+    upload_new(local, store, records, force=differ)
+    store.write_bytes(FILES, json.dumps(records, indent=1).encode())
+    store.write_bytes(MANIFEST, (json.dumps(to_uris(manifest), indent=2) + "\n").encode())
+
+
+def _strings(value: Any) -> Iterable[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict | list):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _strings(item)
+
+
+def pull_referenced(root_uri: str, manifest: dict[str, Any], lazy: dict[str, tuple[str, ...]]) -> None:
+    """Pull every finished stage directory of `root_uri` that `manifest` (local JSON) points into and this node
+    lacks; `lazy` maps a directory's URI to its lazily read patterns."""
+    local_root = local_path(root_uri)
+    directories = set()
+    for text in _strings(manifest):
+        path = Path(text)
+        if path.is_relative_to(local_root) and len(path.relative_to(local_root).parts) >= 2:
+            directories.add("/".join(path.relative_to(local_root).parts[:2]))
+    for relative in sorted(directories):
+        target = local_root / relative
+        if (target / MANIFEST).is_file():
+            continue
+        store = open_store(root_uri).sub(relative)
+        remote = read_manifest(store)
+        if remote is None:
+            continue
+        pull(store, target, lazy.get(store.uri, ()))
+        atomic_write_json(target / MANIFEST, remote)
