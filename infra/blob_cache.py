@@ -40,7 +40,7 @@ def fetch(store: Store, relative: str, sha256: str, size: int) -> Path:
         fcntl.flock(handle, fcntl.LOCK_EX)
         if not (path.is_file() and path.stat().st_size == size):
             store.download(relative, path, sha256, size)
-            log.info("cached %s (%.1f MB)", store.url(relative), size / 1e6)
+            log.debug("cached %s (%.1f MB)", store.url(relative), size / 1e6)
             evict(limit_bytes(), keep=path)
     lock.unlink(missing_ok=True)
     return path

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from infra.object_store import StorageError, Store, open_store, split_uri
+from infra.object_store import StorageError, Store, is_remote, open_store, split_uri
 from infra.storage import MANIFEST, atomic_write_json, damaged_file, file_records
 
 log = logging.getLogger(__name__)
@@ -46,11 +46,16 @@ def local_path(uri: str) -> Path:
     return mirror_root().joinpath(scheme, bucket, *[p for p in prefix.split("/") if p])
 
 
+def working_dir(location: str | Path) -> Path:
+    """Where this node works on `location`: the path itself, or this node's copy of an object-store URI."""
+    return local_path(str(location)) if is_remote(location) else Path(location)
+
+
 def _map_strings(value: Any, old: str, new: str) -> Any:
     if isinstance(value, str):
         return new + value[len(old) :] if value.startswith(old) else value
-    if isinstance(value, dict):
-        return {k: _map_strings(v, old, new) for k, v in value.items()}
+    if isinstance(value, dict):  # an artifact's own `uri` names the store, whatever the node
+        return {k: v if k == "uri" else _map_strings(v, old, new) for k, v in value.items()}
     if isinstance(value, list):
         return [_map_strings(v, old, new) for v in value]
     return value
@@ -113,15 +118,20 @@ def _unfinish(store: Store, relative: str, problem: str) -> None:
     raise DamagedObject(f"{store.url(relative)}: {problem} (truncated or corrupted); it is rebuilt")
 
 
-def pull_unfinished(store: Store, local: Path) -> None:
-    """What another node left of an unfinished directory: its plain files and its newest complete checkpoint
-    (`checkpoints/step-N/COMPLETE` is uploaded last, so a listed COMPLETE means every file before it is there)."""
+def pull_unfinished(store: Store, local: Path, plain_files: bool = True) -> None:
+    """What another node left of an unfinished directory: its newest complete checkpoint, unless an intact copy
+    is here (`checkpoints/step-N/COMPLETE` is uploaded last, so a listed COMPLETE means every file before it is
+    there), and with `plain_files` the other files that are missing here or have grown there (append-only logs;
+    a local copy that is ahead is kept)."""
     listing = store.listing()
     complete = sorted(
         r.split("/")[1] for r in listing if r.startswith("checkpoints/step-") and r.endswith("/COMPLETE")
     )
     newest = f"checkpoints/{complete[-1]}/" if complete else None
-    wanted = [r for r in listing if not r.startswith(("checkpoints/", "ray/")) and r != MANIFEST]
+    plain = [
+        r for r in listing if plain_files and not r.startswith(("checkpoints/", "ray/")) and r != MANIFEST
+    ]
+    wanted = [r for r in plain if not (local / r).is_file() or (local / r).stat().st_size < listing[r]]
     if newest is not None:
         marker = json.loads(store.read_bytes(newest + "COMPLETE"))
         files = marker.get("files") or {}
@@ -133,9 +143,7 @@ def pull_unfinished(store: Store, local: Path) -> None:
             wanted.append(newest + "COMPLETE")
             log.info("resuming from %s (pulled from the store)", store.url(newest))
     for relative in wanted:
-        path = local / relative
-        if not path.is_file() or path.stat().st_size != listing[relative]:
-            store.download(relative, path, size=listing[relative])
+        store.download(relative, local / relative, size=listing[relative])
 
 
 def _remember_pushed(local: Path, records: dict[str, dict[str, Any]]) -> None:

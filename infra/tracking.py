@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from infra.mirror import working_dir
 from infra.secrets import SECRET_NAME, redact, url_has_password
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
     return (
         cfg.uri
         or os.environ.get("LMFORGE_TRACKING_URI")
-        or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+        or f"sqlite:///{working_dir(output_dir).resolve() / 'mlflow.db'}"
     )
 
 
@@ -129,7 +130,9 @@ def _experiment_id(uri: str, cfg: TrackingConfig, output_dir: str | Path) -> str
     experiment = mlflow.get_experiment_by_name(cfg.experiment)
     if experiment is not None:
         return experiment.experiment_id
-    location = (Path(output_dir).resolve() / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
+    location = (
+        (working_dir(output_dir).resolve() / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
+    )
     return mlflow.create_experiment(cfg.experiment, artifact_location=location)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from infra.object_store import Store
 from training.config import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def run_workers(
     spec: dict[str, Any],
     workers: int,
     use_gpu: bool,
-    storage: Path,
+    storage: Path | Store,
     name: str,
     max_failures: int = 0,
     placement: str = "PACK",
@@ -48,7 +49,8 @@ def run_workers(
 
     Without a running cluster (`RAY_ADDRESS` unset) a local one is started with enough logical CPUs. Worker
     failures restart all workers up to `max_failures` times; they resume from the newest complete checkpoint.
-    `placement` is Ray's placement-group strategy (STRICT_SPREAD: one worker per node).
+    `placement` is Ray's placement-group strategy (STRICT_SPREAD: one worker per node). Ray Train keeps its run
+    state under `storage`: a local directory, or the run's directory on object storage (shared by every node).
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -65,7 +67,8 @@ def run_workers(
         train_loop_config=spec,
         scaling_config=scaling,
         run_config=RunConfig(
-            storage_path=str(storage.resolve()),
+            storage_path=storage.key("ray") if isinstance(storage, Store) else str(storage.resolve()),
+            storage_filesystem=storage.fs if isinstance(storage, Store) else None,
             name=name,
             failure_config=FailureConfig(max_failures=max_failures),
         ),
@@ -94,8 +97,10 @@ def run_stage_workers(
     run_dir: Path,
     name: str,
     progress: Callable[[int, float, float], None] | None = None,
+    store: Store | None = None,
 ) -> None:
-    """`worker({"job": job})`: one worker runs in this process (and reports progress); more run on Ray Train."""
+    """`worker({"job": job})`: one worker runs in this process (and reports progress); more run on Ray Train
+    (its state on `store` when the run directory lives on object storage)."""
     config = {"job": job}
     if parallel.world_size == 1:
         worker(config, progress)
@@ -105,7 +110,7 @@ def run_stage_workers(
             config,
             parallel.world_size,
             torch.cuda.is_available(),
-            run_dir / "ray",
+            store or run_dir / "ray",
             name,
             parallel.max_failures,
             parallel.placement.upper(),

@@ -28,8 +28,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from data_pipeline.loader import Batch
+from infra import mirror
+from infra.object_store import Store
 from infra.tracking import Tracker
 from training import checkpoint as ckpt
+from training import remote_checkpoint
 from training.config import OptimConfig, TrainConfig
 from training.engine import Engine, loss_scale
 from training.moe import RouterStats
@@ -73,6 +76,7 @@ class LoopSetup:
     meta: dict[str, Any]  # written into every checkpoint (config digest, MLflow run id, ...)
     progress: Callable[[int, float, float], None] | None = None  # (step, loss, tokens/s), rank 0
     probe: Callable[[torch.nn.Module], dict[str, float]] | None = None  # metrics at each final evaluation
+    remote: Store | None = None  # the run directory on object storage: checkpoints are mirrored there
 
 
 def all_reduce_sum(value: Tensor) -> Tensor:
@@ -370,12 +374,20 @@ def finish_checkpoint(engine: Engine, setup: LoopSetup, pending: PendingCheckpoi
     root = setup.run_dir / "checkpoints"
     staging = ckpt.staging_dir(root, pending.step)
     written = {path.relative_to(staging).as_posix(): record for path, record in engine.saved().items()}
+    if (
+        setup.remote is not None
+    ):  # every rank's own files, before the gather that lets rank 0 mark it complete
+        remote_checkpoint.upload_rank_files(
+            setup.remote, staging, pending.step, [*written, f"rank-{setup.rank}.pt"]
+        )
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, written)
         written = {k: v for records in everyone for k, v in records.items()}
     if setup.rank == 0:
-        ckpt.commit(root, pending.step, pending.meta, keep, written)
+        final = ckpt.commit(root, pending.step, pending.meta, keep, written)
+        if setup.remote is not None:
+            remote_checkpoint.publish(setup.remote, setup.run_dir, final, keep)
     barrier()
     return ckpt.step_dir(root, pending.step)
 
@@ -386,7 +398,12 @@ def save_checkpoint(engine: Engine, train: Batches, setup: LoopSetup, state: Loo
 
 
 def resume(engine: Engine, train: Batches, setup: LoopSetup) -> LoopState:
-    """Load the newest complete checkpoint, if any: engine, RNG, loader position and loop counters."""
+    """Load the newest complete checkpoint, if any: engine, RNG, loader position and loop counters. With a remote
+    run directory, this node first pulls the newest one from the store unless it has it (a worker restarted on
+    another node)."""
+    if setup.remote is not None:
+        mirror.pull_unfinished(setup.remote, setup.run_dir, plain_files=setup.rank == 0)
+    barrier()
     latest = ckpt.latest_checkpoint(setup.run_dir / "checkpoints")
     if latest is None:
         return LoopState()

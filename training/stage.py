@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from data_pipeline.loader import SampledLoader
+from infra import mirror
+from infra.object_store import is_remote, open_store
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json
 from infra.tracking import TrackedRun, Tracker, tracked_run
@@ -80,6 +82,7 @@ class TrainingJob:
     run_dir: Path
     run: TrackedRun
     key: str  # the step's key digest, recorded in every checkpoint
+    remote: str | None = None  # the run directory's URI when outputs live on object storage
 
 
 class TrainingStage(ABC):
@@ -168,8 +171,11 @@ def run_training_stage(
     """Train (or resume, or return) `stage` on `inputs` with `spec`."""
     stage.check(spec, inputs)
     step = training_step(stage, spec, inputs)
+    remote = step.store(spec.output_dir).uri if is_remote(spec.output_dir) else None
     return run_step(
-        spec.output_dir, step, lambda run_dir, key: _train(stage, spec, inputs, run_dir, key, progress)
+        spec.output_dir,
+        step,
+        lambda run_dir, key: _train(stage, spec, inputs, run_dir, key, progress, remote),
     )
 
 
@@ -180,6 +186,7 @@ def _train(
     run_dir: Path,
     key: str,
     progress: Progress | None,
+    remote: str | None,
 ) -> TrainedModel:
     # the run continues the MLflow run it started, even when it died before its first checkpoint
     started = run_dir / "run.json"
@@ -199,8 +206,13 @@ def _train(
             atomic_write_json(run_dir / "spec.json", spec.model_dump(mode="json"))
             tracker.log_artifact(run_dir / "spec.json")
             stage.log_inputs(inputs, tracker)
-        job = TrainingJob(stage, spec, dict(inputs), run_dir.resolve(), run, key)
-        run_stage_workers(train_worker, job, spec.parallel, run_dir, stage.name, progress)
+        store = open_store(remote) if remote else None
+        if store is not None:  # a worker on another node continues the same MLflow run
+            mirror.upload_new(run_dir, store, ["run.json", "spec.json"])
+        job = TrainingJob(stage, spec, dict(inputs), run_dir.resolve(), run, key, remote)
+        run_stage_workers(train_worker, job, spec.parallel, run_dir, stage.name, progress, store)
+        if store is not None:  # the workers' newest checkpoint and metrics, wherever they ran
+            mirror.pull_unfinished(store, run_dir)
         final = ckpt.latest_checkpoint(run_dir / "checkpoints")
         if final is None:
             raise RuntimeError(f"{run_dir}: training ended without a complete checkpoint")
@@ -213,6 +225,8 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
 
     job: TrainingJob = config["job"]
     spec, train = job.spec, job.spec.train
+    for artifact in job.inputs.values():  # a node that has not seen them yet pulls them from the store
+        artifact.materialize()
     torch.set_num_threads(
         spec.parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // spec.parallel.world_size)
     )
@@ -232,6 +246,7 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
         meta={"mlflow_run_id": job.run.run_id, "config_digest": job.key},
         progress=progress,
         probe=job.stage.probe(job),
+        remote=open_store(job.remote) if job.remote else None,
     )
     state = resume(engine, loader, setup)
     val = (lambda: val_loader.epoch_batches(train.eval_batches)) if val_loader is not None else None

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.shards import DatasetManifest
 from infra.config import override
+from infra.object_store import is_remote
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json
 from infra.tracking import TrackingConfig, tracked_run, tracking_uri
@@ -243,7 +244,7 @@ def trial_spec(spec: SweepSpec, plan: TrialPlan, parent_run_id: str | None) -> P
     base = spec.base
     changes: dict[str, Any] = {
         "name": f"{spec.name}-sweep-{plan.name}",
-        "output_dir": str(Path(spec.output_dir).resolve()),
+        "output_dir": spec.output_dir if is_remote(spec.output_dir) else str(Path(spec.output_dir).resolve()),
         "model": plan.model,
         **plan.shape.overrides(),
         "train.max_steps": plan.steps[-1],
