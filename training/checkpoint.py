@@ -88,7 +88,9 @@ def commit(
     if final.exists():  # an incomplete leftover of a crashed save of the same step
         shutil.rmtree(final)
     staging.rename(final)
-    atomic_write_json(final / COMPLETE, {"step": step, "files": file_records(final, known=written)})
+    # every rank's files: on object storage, ranks on other nodes wrote theirs only there
+    files = {**(written or {}), **file_records(final, known=written)}
+    atomic_write_json(final / COMPLETE, {"step": step, "files": dict(sorted(files.items()))})
     for _, old in complete_checkpoints(root)[:-keep]:
         discard(old)
     for leftover in root.iterdir():

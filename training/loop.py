@@ -363,6 +363,7 @@ def start_checkpoint(engine: Engine, train: Batches, setup: LoopSetup, state: Lo
         ckpt.prepare_staging(root, state.step)
     barrier()
     staging = ckpt.staging_dir(root, state.step)
+    staging.mkdir(parents=True, exist_ok=True)  # a rank on another node (run directory on object storage)
     engine.save(staging)
     ckpt.save_rank_state(staging, setup.rank, train.state_dict())
     return PendingCheckpoint(state.step, {**setup.meta, "loop": asdict(state)})
@@ -377,8 +378,8 @@ def finish_checkpoint(engine: Engine, setup: LoopSetup, pending: PendingCheckpoi
     if (
         setup.remote is not None
     ):  # every rank's own files, before the gather that lets rank 0 mark it complete
-        remote_checkpoint.upload_rank_files(
-            setup.remote, staging, pending.step, [*written, f"rank-{setup.rank}.pt"]
+        written |= remote_checkpoint.upload_rank_files(
+            setup.remote, staging, pending.step, written, setup.rank
         )
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
@@ -389,6 +390,10 @@ def finish_checkpoint(engine: Engine, setup: LoopSetup, pending: PendingCheckpoi
         if setup.remote is not None:
             remote_checkpoint.publish(setup.remote, setup.run_dir, final, keep)
     barrier()
+    if (
+        setup.rank != 0 and setup.remote is not None
+    ):  # on another node than rank 0: its files are in the store
+        shutil.rmtree(staging, ignore_errors=True)
     return ckpt.step_dir(root, pending.step)
 
 

@@ -13,8 +13,10 @@ import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from infra.object_store import Store
+from infra.storage import sha256_file
 from training import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
@@ -22,11 +24,16 @@ log = logging.getLogger(__name__)
 _STEP = re.compile(r"^checkpoints/(step-\d{8})/(.+)$")
 
 
-def upload_rank_files(store: Store, staging: Path, step: int, relatives: Iterable[str]) -> None:
-    """Every rank: the checkpoint files it wrote into `staging`, to `checkpoints/step-N/` in the store."""
+def upload_rank_files(
+    store: Store, staging: Path, step: int, written: Iterable[str], rank: int
+) -> dict[str, dict[str, Any]]:
+    """Every rank: the checkpoint files it wrote into `staging` (the engine's and `rank-<r>.pt`) to
+    `checkpoints/step-N/` in the store; returns the record of `rank-<r>.pt`, which COMPLETE lists too."""
     target = ckpt.step_dir(Path("checkpoints"), step).as_posix()
-    for relative in relatives:
+    rank_file = staging / f"rank-{rank}.pt"
+    for relative in [*written, rank_file.name]:
         store.upload(staging / relative, f"{target}/{relative}")
+    return {rank_file.name: {"bytes": rank_file.stat().st_size, "sha256": sha256_file(rank_file)}}
 
 
 def publish(store: Store, run_dir: Path, final: Path, keep: int) -> None:
