@@ -23,6 +23,14 @@ ISOLATED_ENV = (
     "RAY_AUTH_MODE",
     "RAY_AUTH_TOKEN",
     "RAY_AUTH_TOKEN_PATH",
+    # object storage: a user's own cloud credentials never reach a test (tests/s3_server.py sets its own)
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "LMFORGE_CACHE",
 )
 for _name in ISOLATED_ENV:
     os.environ.pop(_name, None)
@@ -109,3 +117,23 @@ def smoke_lora(smoke_base):
     recipe, base = smoke_base
     examples = sft_data(recipe, base)
     return examples, run_sft(recipe.sft_spec(), base, examples)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3-protocol server (moto) with a bucket `lmforge`; this process's environment points at it (with a
+    node cache of its own) for the session, and subprocesses inherit that."""
+    from tests.s3_server import AWS_ENV, s3_server
+
+    base = tmp_path_factory.mktemp("s3")
+    saved = {name: os.environ.get(name) for name in AWS_ENV}
+    with s3_server(base / "moto.log") as server:
+        os.environ.update(server.env(base / "cache"))
+        try:
+            yield server
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value

@@ -1,0 +1,192 @@
+"""Stage outputs on object storage (a real S3-protocol server on 127.0.0.1): tokenize -> pretrain on 2 Ray
+workers -> SFT -> eval with `output_dir: s3://...`; a run killed after a checkpoint resumes on a node that never
+saw it (its local copy wiped) with exactly the undisturbed run's losses; a rerun is a no-op; a truncated or
+altered object is detected by its digest; bad storage settings end in one line (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from infra import blob_cache, mirror
+from infra.object_store import StorageError, open_store
+from tests.pretrain_helpers import (
+    SMOKE_SETTINGS,
+    clean_env,
+    cli,
+    lmforge_command,
+    logged_once,
+    losses,
+    smoke_overrides,
+    with_sets,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+STEPS = [
+    "train.checkpoint_every=10",
+    "parallel.world_size=2",
+    "parallel.threads_per_worker=1",
+    *SMOKE_SETTINGS,
+]
+
+
+def pretrain(uri: str) -> subprocess.CompletedProcess[str]:
+    return cli("pretrain", "smoke", *with_sets(smoke_overrides(uri, *STEPS)))  # type: ignore[arg-type]
+
+
+def run_dir_of(uri: str) -> Path:
+    (run,) = (mirror.local_path(uri) / "pretrain").iterdir()
+    return run
+
+
+@pytest.fixture(scope="module")
+def straight(s3) -> Path:
+    """The undisturbed 2-worker run, its outputs on the store; its local copy is this node's."""
+    done = pretrain("s3://lmforge/straight")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir_of("s3://lmforge/straight")
+
+
+def test_pipeline_on_object_storage(s3, straight: Path) -> None:
+    from data_pipeline.tokenize import run_tokenize
+    from flows.recipe import load_recipe
+    from flows.stages import evaluate, sft_data
+    from training.finetune import run_sft
+    from training.pretrain import run_pretrain
+
+    uri = "s3://lmforge/straight"
+    recipe = load_recipe("smoke", smoke_overrides(uri, *STEPS))  # type: ignore[arg-type]
+    shutil.rmtree(mirror.cache_root())  # this process is another node: nothing local yet
+    data = run_tokenize(recipe.data, recipe.output_dir)
+    assert data.uri.startswith(uri) and not list(
+        Path(data.path).glob("*.arrow")
+    )  # shards stay remote until read
+    base = run_pretrain(
+        recipe.pretrain_spec(), data
+    )  # finished on the store: pulled, verified, not retrained
+    assert (
+        Path(base.run_dir) == straight
+        and losses(straight)
+        and (Path(base.hf_export) / "config.json").is_file()
+    )
+    examples = sft_data(recipe, base)
+    lora = run_sft(recipe.sft_spec(), base, examples)  # reads the shards through the digest-keyed cache
+    report = evaluate(recipe, [base, lora], str(Path(examples.path) / "heldout.jsonl"))
+    store = open_store(uri)
+    listing = store.listing()
+    for stage in ("tokenizer", "tokenize", "pretrain", "sft_data", "lora", "eval"):
+        assert any(k.startswith(f"{stage}/") and k.endswith("/manifest.json") for k in listing), stage
+    manifest = json.loads(
+        store.read_bytes(f"{Path(report.path).parent.name}/{Path(report.path).name}/manifest.json")
+    )
+    assert manifest["path"].startswith(uri)  # remote manifests name the store, not a node's disk
+    assert (Path(report.path) / "report.md").is_file()
+
+
+def test_killed_run_resumes_on_another_node_exactly(s3, straight: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    uri = "s3://lmforge/killed"
+    store = open_store(uri)
+    args = ["pretrain", "smoke", *with_sets(smoke_overrides(uri, *STEPS))]  # type: ignore[arg-type]
+    with (tmp_path / "killed.log").open("w") as out:
+        process = subprocess.Popen(
+            lmforge_command(*args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=clean_env(),
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 300
+        while not any(k.endswith("checkpoints/step-00000010/COMPLETE") for k in store.listing()):
+            assert process.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "killed.log"
+            ).read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert not any(k.endswith("/manifest.json") for k in store.listing())
+    shutil.rmtree(mirror.local_path(uri))  # the restart lands on a node that never saw the run
+    resumed = pretrain(uri)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    run_dir = run_dir_of(uri)
+    assert losses(run_dir) == losses(straight)  # every step, bit for bit
+    assert logged_once(run_dir, 10), "steps before the checkpoint were trained twice: a restart"
+
+    before = store.listing()
+    rerun = pretrain(uri)
+    assert rerun.returncode == 0 and store.listing() == before  # a no-op: nothing trained, nothing uploaded
+
+
+def test_damaged_objects_are_detected_by_digest(s3, straight: Path, caplog) -> None:
+    from data_pipeline.shards import ShardReader
+    from data_pipeline.tokenize import run_tokenize
+    from flows.recipe import load_recipe
+
+    uri = "s3://lmforge/straight"
+    recipe = load_recipe("smoke", smoke_overrides(uri, *STEPS))  # type: ignore[arg-type]
+    data = run_tokenize(recipe.data, recipe.output_dir)
+    store = open_store(data.uri)
+    shard = data.splits["train"].shards[0]
+    original = store.read_bytes(shard.file)
+
+    # altered, same size: the cache refuses it when a loader asks for the shard
+    shutil.rmtree(blob_cache.blob_dir(), ignore_errors=True)
+    store.write_bytes(shard.file, bytes(255 - b for b in original[:64]) + original[64:])
+    with pytest.raises(StorageError, match="sha256"):
+        ShardReader(data, "train")
+    assert not (blob_cache.blob_dir() / shard.sha256).exists()  # nothing unverified is kept
+
+    # truncated: the finished check sees it, the stage is rebuilt and the object uploaded again
+    store.write_bytes(shard.file, original[: len(original) // 2])
+    shutil.rmtree(mirror.cache_root())
+    with caplog.at_level("WARNING"):
+        again = run_tokenize(recipe.data, recipe.output_dir)
+    assert "damaged" in caplog.text and shard.file in caplog.text
+    assert again.digest() == data.digest() and store.read_bytes(shard.file) == original
+    assert ShardReader(again, "train").n_tokens == data.splits["train"].n_tokens
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing bucket", "unsupported scheme", "no credentials", "wrong secret", "unreachable endpoint"],
+)
+def test_bad_storage_settings_end_in_one_line(s3, case: str) -> None:
+    env = clean_env()
+    output = {"missing bucket": "s3://no-such-bucket/x", "unsupported scheme": "ftp://lmforge/x"}.get(
+        case, "s3://lmforge/bad"
+    )
+    expected = {
+        "missing bucket": "bucket 'no-such-bucket' does not exist",
+        "unsupported scheme": "unsupported storage scheme 'ftp'",
+        "no credentials": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+        "wrong secret": "refused the credentials",
+        "unreachable endpoint": "check the network and AWS_ENDPOINT_URL",
+    }[case]
+    if case == "no credentials":
+        del env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
+    if case == "wrong secret":
+        env["AWS_SECRET_ACCESS_KEY"] = "wrong"
+    if case == "unreachable endpoint":
+        from infra.services import free_port
+
+        env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        lmforge_command(
+            "tokenize", "smoke", "--set", f"output_dir={output}", "--set", "data.max_documents=5"
+        ),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    error = [line for line in done.stderr.splitlines() if line.startswith("lmforge: error:")]
+    assert len(error) == 1 and expected in error[0] and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "wrong" not in error[0]  # a secret is never printed
