@@ -21,7 +21,9 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from infra.errors import UserError
 from infra.mirror import working_dir
+from infra.object_store import is_remote
 from infra.secrets import SECRET_NAME, redact, url_has_password
 
 log = logging.getLogger(__name__)
@@ -62,12 +64,16 @@ class TrackingConfig(BaseModel):
 def tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
     """`tracking.uri`, else $LMFORGE_TRACKING_URI (e.g. from `lmforge up`), else sqlite under the outputs.
 
-    Not $MLFLOW_TRACKING_URI: `mlflow.set_tracking_uri` rewrites that one inside a process."""
-    return (
-        cfg.uri
-        or os.environ.get("LMFORGE_TRACKING_URI")
-        or f"sqlite:///{working_dir(output_dir).resolve() / 'mlflow.db'}"
-    )
+    Not $MLFLOW_TRACKING_URI: `mlflow.set_tracking_uri` rewrites that one inside a process. Outputs on object
+    storage need a tracking server: a sqlite file on one node's disk is not seen by workers or restarts elsewhere."""
+    uri = cfg.uri or os.environ.get("LMFORGE_TRACKING_URI")
+    if uri is None and is_remote(output_dir):
+        raise UserError(
+            f"output_dir={output_dir} is on object storage but MLflow would use a sqlite file on this node; set "
+            "tracking.uri (or LMFORGE_TRACKING_URI) to a tracking server, e.g. `lmforge up` or docker/compose.yaml's, "
+            "or tracking.enabled=false"
+        )
+    return uri or f"sqlite:///{working_dir(output_dir).resolve() / 'mlflow.db'}"
 
 
 class Tracker(Protocol):

@@ -1,6 +1,8 @@
 """Scale-out on a real two-node Ray cluster on this host (`ray start --head` plus a second `ray start
 --address`): a 2-worker pretraining job submitted through the Ray Jobs API runs one worker per node, logs to
-an MLflow server, survives a killed worker (FailureConfig) and ends with the undisturbed run's loss."""
+an MLflow server, survives a killed worker (FailureConfig) and ends with the undisturbed run's loss. Its outputs
+live on an S3-protocol server and each node has a cache of its own, as nodes on different machines would: shards,
+checkpoints and the run's files reach the other node only through the store."""
 
 from __future__ import annotations
 
@@ -18,16 +20,16 @@ import psutil
 import pytest
 
 from infra import ray_jobs
+from infra.object_store import Store, open_store
 from infra.services import Running, free_port, start_mlflow, stop
 from tests.pretrain_helpers import clean_env, cli, logged_once, losses, smoke_overrides
-from training import checkpoint as ckpt
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RAY = str(Path(os.sys.executable).with_name("ray"))
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, s3):
     token = secrets.token_hex(32)  # token authentication, as every shared cluster should run
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     os.environ.update(
@@ -62,7 +64,7 @@ def cluster(tmp_path_factory):
         temp,
         *common,
     ]
-    nodes = [_start(head, env, temp, "head")]
+    nodes = [_start(head, {**env, "LMFORGE_CACHE": f"{temp}/cache-head"}, temp, "head")]
     second = [
         RAY,
         "start",
@@ -80,7 +82,7 @@ def cluster(tmp_path_factory):
     while not _alive_nodes(address):
         assert time.monotonic() < deadline, "the head did not come up; see " + nodes[0].log
         time.sleep(1)
-    nodes.append(_start(second, env, temp, "second"))
+    nodes.append(_start(second, {**env, "LMFORGE_CACHE": f"{temp}/cache-second"}, temp, "second"))
     while len(_alive_nodes(address)) < 2:
         assert time.monotonic() < deadline, "the second node did not join; see " + nodes[1].log
         time.sleep(1)
@@ -115,7 +117,7 @@ def _alive_nodes(address: str) -> list[dict]:
         return []
 
 
-def _job_args(out: Path) -> list[str]:
+def _job_args(out: str) -> list[str]:
     sets = smoke_overrides(
         out,
         "train.max_steps=30",
@@ -136,13 +138,27 @@ def _wait(address: str, job_id: str, timeout: float = 900) -> str:
     return status
 
 
+def _complete_steps(store: Store) -> list[int]:
+    return sorted(int(k.split("/")[3][5:]) for k in store.listing() if k.endswith("/COMPLETE"))
+
+
+def _finished_run(store: Store, local: Path) -> dict:
+    """The finished pretraining run's manifest, its metrics.jsonl copied to `local`."""
+    (manifest,) = [k for k in store.listing() if k.startswith("pretrain/") and k.endswith("/manifest.json")]
+    local.mkdir(parents=True)
+    (local / "metrics.jsonl").write_bytes(
+        store.read_bytes(manifest.replace("manifest.json", "metrics.jsonl"))
+    )
+    return json.loads(store.read_bytes(manifest))
+
+
 def test_two_worker_job_survives_a_killed_worker(cluster, tmp_path):
     address, ml, groups = cluster
     env = {"LMFORGE_TRACKING_URI": ml.url}
-    killed_out = tmp_path / "killed"
-    job = ray_jobs.submit(address, _job_args(killed_out), env=env)
+    killed = open_store("s3://lmforge/cluster-killed")
+    job = ray_jobs.submit(address, _job_args(killed.uri), env=env)
     deadline = time.monotonic() + 600
-    while not list(killed_out.glob("pretrain/*/checkpoints/step-*/COMPLETE")):
+    while not _complete_steps(killed):
         assert ray_jobs.status(address, job) not in ray_jobs.TERMINAL, ray_jobs.client(address).get_job_logs(
             job
         )[-3000:]
@@ -154,25 +170,22 @@ def test_two_worker_job_survives_a_killed_worker(cluster, tmp_path):
         if "ray::RayTrainWorker" in " ".join(p.info["cmdline"] or ()) and os.getsid(p.pid) in groups
     ]
     assert len(workers) == 2, workers
-    resumed_from = max(
-        s for s, _ in ckpt.complete_checkpoints(next(killed_out.glob("pretrain/*")) / "checkpoints")
-    )
+    resumed_from = _complete_steps(killed)[-1]
     os.kill(int(workers[0]), signal.SIGKILL)
     logs = ray_jobs.client(address).get_job_logs
     assert _wait(address, job) == "SUCCEEDED", logs(job)[-4000:]
 
-    straight_out = tmp_path / "straight"
-    other = ray_jobs.submit(address, _job_args(straight_out), env=env)
+    straight = open_store("s3://lmforge/cluster-straight")
+    other = ray_jobs.submit(address, _job_args(straight.uri), env=env)
     assert _wait(address, other) == "SUCCEEDED", logs(other)[-4000:]
 
-    (killed_run,) = killed_out.glob("pretrain/*/manifest.json")
-    (straight_run,) = straight_out.glob("pretrain/*/manifest.json")
-    a, b = json.loads(killed_run.read_text()), json.loads(straight_run.read_text())
+    a = _finished_run(killed, tmp_path / "killed")
+    b = _finished_run(straight, tmp_path / "straight")
     assert a["step"] == b["step"] == 30
     assert a["final_val_loss"] == b["final_val_loss"]
-    la, lb = losses(killed_run.parent), losses(straight_run.parent)
+    la, lb = losses(tmp_path / "killed"), losses(tmp_path / "straight")
     assert la == lb  # every step's loss, including the ones redone after the restart
-    assert logged_once(killed_run.parent, resumed_from), "the restarted workers trained from scratch"
+    assert logged_once(tmp_path / "killed", resumed_from), "the restarted workers trained from scratch"
 
     # the workers ran one per node
     from ray.util.state import list_actors
