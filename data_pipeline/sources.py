@@ -9,6 +9,7 @@ JSON or lacks the text field is an error (or skipped and counted when `on_bad_re
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import gzip
 import hashlib
 import io
@@ -25,6 +26,8 @@ from pathlib import Path
 
 from data_pipeline.config import DataConfig
 from infra.errors import UserError
+from infra.mirror import working_dir
+from infra.object_store import Store, is_remote, open_store
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,20 @@ class ReadStats:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+    def add(self, other: ReadStats) -> None:
+        """Count what another reader (one file, on another node) saw."""
+        for name in (
+            "files",
+            "documents",
+            "empty_skipped",
+            "bad_records_skipped",
+            "binary_skipped",
+            "replaced_bytes",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.binary_files = (self.binary_files + other.binary_files)[:10]
+        self.replaced_in = (self.replaced_in + other.replaced_in)[:10]
 
 
 def decode_text(data: bytes, where: str, stats: ReadStats, encoding: str = "utf-8") -> str:
@@ -141,6 +158,8 @@ class _Source:
     files: tuple[Path, ...]
     hf_spec: str | None = None
     relative_ids: bool = False  # file globs: ids are bare relative paths (no label)
+    remote: Store | None = None  # an object-store glob: `files` are this node's copies, fetched when read
+    sizes: dict[Path, int] = field(default_factory=dict)  # of the remote objects
 
 
 def glob_root(pattern: str) -> Path:
@@ -168,6 +187,8 @@ class Corpus:
             return _Source("stdlib", stdlib_root(), tuple(stdlib_files()))
         if spec.startswith("hf:"):
             return _Source(spec, None, (), hf_spec=spec.removeprefix("hf:"))
+        if is_remote(spec):
+            return self._resolve_remote(spec)
         matches = sorted(Path(p) for p in glob(spec, recursive=True) if Path(p).is_file())
         if not matches:
             raise DataError(
@@ -180,6 +201,33 @@ class Corpus:
             )
         return _Source(spec, glob_root(spec), tuple(matches), relative_ids=True)
 
+    def _resolve_remote(self, spec: str) -> _Source:
+        """A glob over object storage (`s3://bucket/corpus/**/*.jsonl`): listed now, each file downloaded into
+        this node's cache the first time it is read. Ids are relative to the glob's root, as for local files."""
+        root, _, pattern = spec.partition("*")
+        root = root.rsplit("/", 1)[0]
+        store = open_store(root)
+        pattern = spec[len(root) + 1 :]
+        listing = store.listing()
+        names = sorted(n for n in listing if fnmatch.fnmatch(n, pattern) and _kind(Path(n)) in SUFFIXES)
+        if not names:
+            raise DataError(
+                f"data.sources: no objects match {spec!r} (supported: {', '.join(SUFFIXES)}); check the glob"
+            )
+        local = working_dir(root)
+        files = tuple(local / n for n in names)
+        return _Source(
+            spec, local, files, relative_ids=True, remote=store, sizes={local / n: listing[n] for n in names}
+        )
+
+    @staticmethod
+    def _fetch(source: _Source, path: Path) -> Path:
+        """`path`, downloaded first when it belongs to an object-store source and this node lacks it."""
+        if source.remote is not None and (not path.is_file() or path.stat().st_size != source.sizes[path]):
+            assert source.root is not None
+            source.remote.download(path.relative_to(source.root).as_posix(), path, size=source.sizes[path])
+        return path
+
     def fingerprint(self) -> str:
         """sha256 over every file's id and content (or the dataset's own fingerprint for `hf:` sources)."""
         h = hashlib.sha256()
@@ -189,7 +237,7 @@ class Corpus:
                 h.update(_hf_dataset(source.hf_spec)._fingerprint.encode())
             for path in source.files:
                 h.update(self._file_id(source, path).encode() + b"\0")
-                h.update(hashlib.sha256(path.read_bytes()).digest())
+                h.update(hashlib.sha256(self._fetch(source, path).read_bytes()).digest())
         h.update(json.dumps([self.cfg.text_field, self.cfg.max_documents]).encode())
         return h.hexdigest()
 
@@ -216,27 +264,52 @@ class Corpus:
 
     def _iter_files(self, source: _Source) -> Iterator[Document]:
         for path in source.files:
-            self.stats.files += 1
-            file_id = self._file_id(source, path)
-            kind = _kind(path)
-            if kind == ".jsonl":
-                yield from self._iter_jsonl(path, file_id)
-            elif kind == ".parquet":
-                yield from self._iter_parquet(path, file_id)
+            yield from self._iter_file(source, path)
+
+    def _iter_file(self, source: _Source, path: Path) -> Iterator[Document]:
+        self._fetch(source, path)
+        self.stats.files += 1
+        file_id = self._file_id(source, path)
+        kind = _kind(path)
+        if kind == ".jsonl":
+            yield from self._iter_jsonl(path, file_id)
+        elif kind == ".parquet":
+            yield from self._iter_parquet(path, file_id)
+        else:
+            text = decode_text(_open_bytes(path), str(path), self.stats, self.cfg.encoding)
+            if (reason := binary_reason(text)) is None:
+                yield Document(file_id, text)
+            elif self.cfg.on_bad_record == "skip":
+                log.warning("%s: skipped, it looks binary (%s)", path, reason)
+                self.stats.binary_skipped += 1
+                if len(self.stats.binary_files) < 10:
+                    self.stats.binary_files.append(str(path))
             else:
-                text = decode_text(_open_bytes(path), str(path), self.stats, self.cfg.encoding)
-                if (reason := binary_reason(text)) is None:
-                    yield Document(file_id, text)
-                elif self.cfg.on_bad_record == "skip":
-                    log.warning("%s: skipped, it looks binary (%s)", path, reason)
-                    self.stats.binary_skipped += 1
-                    if len(self.stats.binary_files) < 10:
-                        self.stats.binary_files.append(str(path))
-                else:
-                    raise DataError(
-                        f"{path}: looks binary, not text ({reason}); remove it from data.sources, set "
-                        "data.encoding if it is text, or set data.on_bad_record=skip to skip such files"
-                    )
+                raise DataError(
+                    f"{path}: looks binary, not text ({reason}); remove it from data.sources, set "
+                    "data.encoding if it is text, or set data.on_bad_record=skip to skip such files"
+                )
+
+    def files(self) -> list[tuple[int, int]]:
+        """(source, file) index pairs of every file, in corpus order: the units a cluster reads in parallel."""
+        if hf := [s.label for s in self._sources if s.hf_spec is not None]:
+            raise DataError(
+                f"data.sources {hf} are Hugging Face datasets, which data.backend=ray cannot split by file; use data.backend=processes"
+            )
+        return [(s, f) for s, source in enumerate(self._sources) for f in range(len(source.files))]
+
+    def read_file(self, source_index: int, file_index: int) -> tuple[list[Document], ReadStats]:
+        """One file's non-empty documents and what reading it skipped or repaired (`documents` is left to the
+        caller, who applies `max_documents` in corpus order)."""
+        self.stats = ReadStats()
+        source = self._sources[source_index]
+        documents = []
+        for doc in self._iter_file(source, source.files[file_index]):
+            if doc.text.strip():
+                documents.append(replace(doc, source=source.label))
+            else:
+                self.stats.empty_skipped += 1
+        return documents, self.stats
 
     def _iter_jsonl(self, path: Path, file_id: str) -> Iterator[Document]:
         opener = gzip.open if path.suffix == ".gz" else open

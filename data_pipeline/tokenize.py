@@ -1,7 +1,8 @@
 """Stage 1: documents -> trained tokenizer -> Arrow token shards with a manifest.
 
-Documents are cut into chunks in corpus order and encoded by N worker processes (or Ray tasks) through a
-bounded window of chunks in flight, then written in order by this process. Each document is encoded on its
+Documents are cut into chunks in corpus order and encoded by N worker processes through a bounded window of
+chunks in flight (or, with `data.backend: ray`, read and encoded file by file on Ray Data: `ray_data.py`), then
+written in order by this process. Each document is encoded on its
 own, so the shards are byte-identical for any number of workers, and memory stays bounded by the window and
 one shard per split. The output directory is named by the stage config, the source fingerprint and the
 tokenizer digest; an interrupted run keeps its complete shards and resumes after the last one.
@@ -31,7 +32,7 @@ from data_pipeline.shards import (
     completed_shards,
     token_dtype,
 )
-from data_pipeline.sources import Corpus, DataError, split_of
+from data_pipeline.sources import Corpus, DataError, ReadStats, split_of
 from data_pipeline.tokenizer import MAX_PIECE_CHARS, TokenizerRef, pieces, run_train_tokenizer
 from infra.steps import Step, run_step
 from infra.storage import remove_partial_files
@@ -87,37 +88,15 @@ def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
     return encode_texts(tokenizer, texts, eos_id, dtype)
 
 
-def _encode_with_ray(tokenizer_path: str, texts: list[str], eos_id: int, dtype: str) -> list[np.ndarray]:
-    if _worker is None or _worker[1:] != (eos_id, dtype):
-        _init_worker(tokenizer_path, eos_id, dtype)
-    return _encode_in_worker(texts)
-
-
 def encode_chunks(
-    chunks: Iterator[Chunk], tok: TokenizerRef, dtype: str, workers: int, backend: str
+    chunks: Iterator[Chunk], tok: TokenizerRef, dtype: str, workers: int
 ) -> Iterator[tuple[Chunk, list[np.ndarray]]]:
-    """Encode chunks in parallel and yield them in input order, with at most 2 x workers chunks in flight."""
+    """Encode chunks in worker processes and yield them in input order, with at most 2 x workers in flight."""
     window = 2 * workers
-    if workers == 1 and backend == "processes":
+    if workers == 1:
         tokenizer = corpus_tokenizer(tok.path)
         for chunk in chunks:
             yield chunk, encode_texts(tokenizer, chunk.texts, tok.eos_id, dtype)
-        return
-    if backend == "ray":
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
-        remote = ray.remote(num_cpus=1)(_encode_with_ray)
-        pending_refs: deque = deque()
-        for chunk in chunks:
-            pending_refs.append((chunk, remote.remote(tok.path, chunk.texts, tok.eos_id, dtype)))
-            if len(pending_refs) >= window:
-                done, ref = pending_refs.popleft()
-                yield done, ray.get(ref)
-        while pending_refs:
-            done, ref = pending_refs.popleft()
-            yield done, ray.get(ref)
         return
     context = get_context("spawn")  # no fork of a parent that may hold threads (torch, tokenizers)
     with ProcessPoolExecutor(
@@ -176,6 +155,32 @@ def run_tokenize(cfg: DataConfig, root: str | Path, progress: Progress | None = 
     return run_step(root, step, lambda out, _key: _write_shards(cfg, corpus, fingerprint, tok, out, progress))
 
 
+def _encoded(
+    cfg: DataConfig, corpus: Corpus, tok: TokenizerRef, dtype: str, resume_from: dict[str, int]
+) -> Iterator[tuple[int, str, np.ndarray]]:
+    """(corpus position, split, tokens) of every document not already in complete shards, in corpus order:
+    chunks encoded by local processes, or files read and encoded on Ray Data (`data.backend: ray`)."""
+    if cfg.backend == "processes":
+        chunks = chunk_corpus(corpus, cfg.val_fraction, resume_from)
+        for chunk, arrays in encode_chunks(chunks, tok, dtype, cfg.num_workers):
+            yield from zip(chunk.indices, chunk.splits, arrays, strict=True)
+        return
+    from data_pipeline.ray_data import encode_files
+
+    corpus.stats = ReadStats()
+    index = 0
+    for doc_ids, arrays, stats in encode_files(corpus, tok.path, tok.eos_id, dtype, cfg.num_workers):
+        corpus.stats.add(stats)
+        for doc_id, array in zip(doc_ids, arrays, strict=True):
+            if cfg.max_documents is not None and index >= cfg.max_documents:
+                return
+            split = split_of(doc_id, cfg.val_fraction)
+            if index >= resume_from[split]:
+                yield index, split, array
+            index += 1
+            corpus.stats.documents = index
+
+
 def _write_shards(
     cfg: DataConfig, corpus: Corpus, fingerprint: str, tok: TokenizerRef, out: Path, progress: Progress | None
 ) -> DatasetManifest:
@@ -187,14 +192,14 @@ def _write_shards(
     if any(resume_from.values()):
         log.info("tokenize: resuming %s after documents %s", out, resume_from)
     docs = tokens = 0
-    chunks = chunk_corpus(corpus, cfg.val_fraction, resume_from)
-    for chunk, arrays in encode_chunks(chunks, tok, dtype, cfg.num_workers, cfg.backend):
-        for index, split, array in zip(chunk.indices, chunk.splits, arrays, strict=True):
-            writers[split].add(index, array)
-        docs += len(arrays)
-        tokens += sum(len(a) for a in arrays)
-        if progress is not None:
+    for index, split, array in _encoded(cfg, corpus, tok, dtype, resume_from):
+        writers[split].add(index, array)
+        docs += 1
+        tokens += len(array)
+        if progress is not None and docs % 64 == 0:
             progress(docs, tokens)
+    if progress is not None:
+        progress(docs, tokens)
     for writer in writers.values():
         writer.flush()
     if not any(w.shards for w in writers.values()):

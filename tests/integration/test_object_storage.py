@@ -138,8 +138,9 @@ def test_damaged_objects_are_detected_by_digest(s3, straight: Path, caplog) -> N
     shard = data.splits["train"].shards[0]
     original = store.read_bytes(shard.file)
 
-    # altered, same size: the cache refuses it when a loader asks for the shard
+    # altered, same size: the cache refuses it when a loader asks for the shard (on a node without a copy)
     shutil.rmtree(blob_cache.blob_dir(), ignore_errors=True)
+    (Path(data.path) / shard.file).unlink(missing_ok=True)
     store.write_bytes(shard.file, bytes(255 - b for b in original[:64]) + original[64:])
     with pytest.raises(StorageError, match="sha256"):
         ShardReader(data, "train")
@@ -192,3 +193,39 @@ def test_bad_storage_settings_end_in_one_line(s3, case: str) -> None:
     error = [line for line in done.stderr.splitlines() if line.startswith("lmforge: error:")]
     assert len(error) == 1 and expected in error[0] and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "wrong" not in error[0]  # a secret is never printed
+
+
+def test_ray_data_tokenizes_sources_on_the_store_like_local_processes(
+    s3, small_data_cfg, tmp_path: Path
+) -> None:
+    """The committed corpus split into files, once on local disk and once in the bucket: Ray Data (2 actors)
+    reading the bucket writes the same shards as local worker processes reading the disk."""
+    import ray
+
+    from data_pipeline.tokenize import run_tokenize
+    from tests.pretrain_helpers import CORPUS
+
+    lines = CORPUS.read_text().splitlines(keepends=True)[:120]
+    store = open_store("s3://lmforge/corpus")
+    (tmp_path / "corpus").mkdir()
+    for part in range(3):
+        data = "".join(lines[part::3]).encode()
+        (tmp_path / "corpus" / f"part-{part}.jsonl").write_bytes(data)
+        store.write_bytes(f"part-{part}.jsonl", data)
+    cfg = small_data_cfg.model_copy(update={"max_documents": None, "num_workers": 2})
+    local = run_tokenize(
+        cfg.model_copy(update={"sources": (f"{tmp_path}/corpus/*.jsonl",)}), tmp_path / "out"
+    )
+    try:
+        remote = run_tokenize(
+            cfg.model_copy(update={"sources": ("s3://lmforge/corpus/*.jsonl",), "backend": "ray"}),
+            "s3://lmforge/ray-data",
+        )
+    finally:
+        ray.shutdown()
+    digests = {s: [i.sha256 for i in info.shards] for s, info in remote.splits.items()}
+    assert digests == {s: [i.sha256 for i in info.shards] for s, info in local.splits.items()}
+    assert (
+        remote.source_fingerprint == local.source_fingerprint
+    )  # ids are relative to the glob, wherever it is
+    assert remote.read_stats["documents"] == local.read_stats["documents"] == 120

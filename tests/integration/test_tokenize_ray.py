@@ -1,4 +1,5 @@
-"""Tokenization on Ray tasks (a real local Ray cluster) writes the same shards as worker processes."""
+"""Tokenization on Ray Data (a real local Ray instance: files read and encoded by an actor pool) writes the same
+shards as worker processes."""
 
 from __future__ import annotations
 

@@ -1,0 +1,69 @@
+"""Tokenization on Ray Data (`data.backend: ray`): the cluster reads and encodes, this process writes the shards.
+
+The corpus's files, in order, become a Ray Data dataset of (source, file) indices; a pool of `num_workers`
+actors (one CPU each, anywhere in the cluster) each reads a file (`Corpus.read_file`: decoding, bad-record
+handling, object-storage sources) and encodes its documents with the corpus tokenizer; the dataset is consumed
+in order (`preserve_order`), so this process sees the documents exactly as the local backend does and the shards
+are byte-identical. Memory is bounded by Ray Data's streaming backpressure, a file at a time per actor.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterator
+
+import numpy as np
+
+from data_pipeline.config import DataConfig
+from data_pipeline.sources import Corpus, ReadStats
+
+
+class _ReadAndEncode:
+    """A Ray Data actor: the corpus (resolved once) and the tokenizer, reading and encoding one file per row."""
+
+    def __init__(self, cfg: dict[str, object], tokenizer_path: str, eos_id: int, dtype: str) -> None:
+        from data_pipeline.tokenize import corpus_tokenizer
+
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one CPU per actor; the pool is the parallelism
+        self.corpus = Corpus(DataConfig.model_validate(cfg))
+        self.tokenizer, self.eos_id, self.dtype = corpus_tokenizer(tokenizer_path), eos_id, dtype
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from data_pipeline.tokenize import encode_texts
+
+        payloads = []
+        for source, file in zip(batch["source"], batch["file"], strict=True):
+            documents, stats = self.corpus.read_file(int(source), int(file))
+            arrays = encode_texts(self.tokenizer, [d.text for d in documents], self.eos_id, self.dtype)
+            payloads.append(pickle.dumps(([d.doc_id for d in documents], arrays, stats)))
+        return {"payload": np.array(payloads, dtype=object)}
+
+
+def encode_files(
+    corpus: Corpus, tokenizer_path: str, eos_id: int, dtype: str, workers: int
+) -> Iterator[tuple[list[str], list[np.ndarray], ReadStats]]:
+    """(document ids, token arrays, read stats) of each file of `corpus`, in corpus order, encoded on Ray Data
+    (the cluster at RAY_ADDRESS, or a private local instance)."""
+    import ray
+
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            ray.init(address="local", num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False
+    files = corpus.files()
+    dataset = ray.data.from_items(
+        [{"source": s, "file": f} for s, f in files], override_num_blocks=max(1, min(len(files), 4 * workers))
+    ).map_batches(
+        _ReadAndEncode,
+        fn_constructor_args=(corpus.cfg.model_dump(mode="json"), tokenizer_path, eos_id, dtype),
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=workers),
+        num_cpus=1,
+    )
+    for row in dataset.iter_rows():
+        yield pickle.loads(row["payload"])
