@@ -157,13 +157,13 @@ def run_tokenize(cfg: DataConfig, root: str | Path, progress: Progress | None = 
 
 def _encoded(
     cfg: DataConfig, corpus: Corpus, tok: TokenizerRef, dtype: str, resume_from: dict[str, int]
-) -> Iterator[tuple[int, str, np.ndarray]]:
-    """(corpus position, split, tokens) of every document not already in complete shards, in corpus order:
-    chunks encoded by local processes, or files read and encoded on Ray Data (`data.backend: ray`)."""
+) -> Iterator[list[tuple[int, str, np.ndarray]]]:
+    """(corpus position, split, tokens) of every document not already in complete shards, in corpus order, a
+    chunk encoded by local processes or a file read and encoded on Ray Data (`data.backend: ray`) at a time."""
     if cfg.backend == "processes":
         chunks = chunk_corpus(corpus, cfg.val_fraction, resume_from)
         for chunk, arrays in encode_chunks(chunks, tok, dtype, cfg.num_workers):
-            yield from zip(chunk.indices, chunk.splits, arrays, strict=True)
+            yield list(zip(chunk.indices, chunk.splits, arrays, strict=True))
         return
     from data_pipeline.ray_data import encode_files
 
@@ -171,14 +171,18 @@ def _encoded(
     index = 0
     for doc_ids, arrays, stats in encode_files(corpus, tok.path, tok.eos_id, dtype, cfg.num_workers):
         corpus.stats.add(stats)
+        group = []
         for doc_id, array in zip(doc_ids, arrays, strict=True):
             if cfg.max_documents is not None and index >= cfg.max_documents:
-                return
+                break
             split = split_of(doc_id, cfg.val_fraction)
             if index >= resume_from[split]:
-                yield index, split, array
+                group.append((index, split, array))
             index += 1
-            corpus.stats.documents = index
+        corpus.stats.documents = index
+        yield group
+        if cfg.max_documents is not None and index >= cfg.max_documents:
+            return
 
 
 def _write_shards(
@@ -192,14 +196,13 @@ def _write_shards(
     if any(resume_from.values()):
         log.info("tokenize: resuming %s after documents %s", out, resume_from)
     docs = tokens = 0
-    for index, split, array in _encoded(cfg, corpus, tok, dtype, resume_from):
-        writers[split].add(index, array)
-        docs += 1
-        tokens += len(array)
-        if progress is not None and docs % 64 == 0:
+    for group in _encoded(cfg, corpus, tok, dtype, resume_from):
+        for index, split, array in group:
+            writers[split].add(index, array)
+        docs += len(group)
+        tokens += sum(len(array) for _, _, array in group)
+        if progress is not None:
             progress(docs, tokens)
-    if progress is not None:
-        progress(docs, tokens)
     for writer in writers.values():
         writer.flush()
     if not any(w.shards for w in writers.values()):

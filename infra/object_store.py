@@ -55,7 +55,7 @@ def split_uri(uri: str) -> tuple[str, str, str]:
             f"{uri}: unsupported storage scheme {scheme!r}; use a local path or one of "
             + ", ".join(f"{s}://bucket/prefix" for s in SCHEMES)
         )
-    bucket, _, prefix = rest.strip("/").partition("/")
+    bucket, _, prefix = rest.rstrip("/").partition("/")
     if not bucket:
         raise StorageError(f"{uri}: no bucket named; write {scheme}://<bucket>/<prefix>")
     return scheme, bucket, prefix.strip("/")
