@@ -54,7 +54,9 @@ def touch_all(manifest, split: str = "train") -> int:  # noqa: ANN001
 
 
 def loader_ms(manifest, recipe, batches_n: int = 300) -> tuple[float, torch.Tensor, torch.Tensor]:  # noqa: ANN001
-    loader = PackedLoader(manifest, seq_len=recipe.train.seq_len, batch_size=recipe.train.micro_batch_size, seed=0)
+    loader = PackedLoader(
+        manifest, seq_len=recipe.train.seq_len, batch_size=recipe.train.micro_batch_size, seed=0
+    )
     inputs, targets = loader.next_batch()
     start = time.perf_counter()
     for _ in range(batches_n):
@@ -127,7 +129,9 @@ def main() -> None:
 
         # --- checkpoints: local run directory vs one on the store
         init_distributed()
-        demo = load_recipe("demo", ["train.seq_len=128", "train.micro_batch_size=8", "train.global_batch_size=8"])
+        demo = load_recipe(
+            "demo", ["train.seq_len=128", "train.micro_batch_size=8", "train.global_batch_size=8"]
+        )
         engine = build_engine(Transformer(WIDE, seed=0), demo.optim, demo.parallel, demo.train)
         (batch,) = batches(WIDE, 128, 8, 1, torch.device("cpu"))
         engine.backward(engine.forward(batch).loss)

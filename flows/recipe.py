@@ -11,11 +11,12 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from data_pipeline.config import DataConfig
 from evaluation.config import EvalConfig
@@ -81,7 +82,9 @@ class Recipe(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
-    output_dir: str = "outputs"  # stage outputs go to <output_dir>/<stage>/<name>-<hash>/
+    # stage outputs go to <output_dir>/<stage>/<name>-<hash>/: a path, or s3:// gs:// abfs:// (infra/object_store.py);
+    # a cluster sets its default once with $LMFORGE_OUTPUT_DIR (docker/compose.yaml points it at the MinIO bucket)
+    output_dir: str = Field(default_factory=lambda: os.environ.get("LMFORGE_OUTPUT_DIR") or "outputs")
     model: ModelConfig
     optim: OptimConfig = OptimConfig()
     parallel: ParallelConfig = ParallelConfig()
