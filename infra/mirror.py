@@ -19,17 +19,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from infra.object_store import StorageError, Store, is_remote, open_store, split_uri
+from infra.object_store import SCHEMES, DamagedObject, Store, is_remote, open_store, split_uri
 from infra.storage import MANIFEST, atomic_write_json, damaged_file, file_records
 
 log = logging.getLogger(__name__)
 
 FILES = ".files.json"  # remote, per finished directory: {relative path: {bytes, sha256}}
 PUSHED = ".pushed.json"  # local: {relative path: [bytes, mtime_ns]} of files this copy already uploaded
-
-
-class DamagedObject(StorageError):
-    """An object whose size or sha256 differs from what was recorded when it was written."""
 
 
 def cache_root() -> Path:
@@ -63,17 +59,15 @@ def _map_strings(value: Any, old: str, new: str) -> Any:
 
 def to_uris(value: Any) -> Any:
     """`value` (a manifest as JSON) with every path into the mirror written as the URI it copies."""
-    root = str(mirror_root()) + "/"
-    for scheme in ("s3", "gs", "abfs"):
-        value = _map_strings(value, root + scheme + "/", f"{scheme}://")
+    for scheme in SCHEMES:
+        value = _map_strings(value, f"{mirror_root()}/{scheme}/", f"{scheme}://")
     return value
 
 
 def to_local(value: Any) -> Any:
     """The inverse of `to_uris`, for this node's mirror."""
-    root = str(mirror_root()) + "/"
-    for scheme in ("s3", "gs", "abfs"):
-        value = _map_strings(value, f"{scheme}://", root + scheme + "/")
+    for scheme in SCHEMES:
+        value = _map_strings(value, f"{scheme}://", f"{mirror_root()}/{scheme}/")
     return value
 
 
@@ -101,10 +95,8 @@ def pull(store: Store, local: Path, lazy: Iterable[str] = ()) -> None:
             continue
         try:
             store.download(relative, local / relative, record["sha256"], record["bytes"])
-        except StorageError as error:
-            if "when written" in str(error):
-                _unfinish(store, relative, "bytes differ from the sha256 recorded when it was written")
-            raise
+        except DamagedObject:
+            _unfinish(store, relative, "bytes differ from the sha256 recorded when it was written")
     _remember_pushed(local, records)
 
 
@@ -179,10 +171,10 @@ def push(local: Path, store: Store, manifest: dict[str, Any], exclude: tuple[str
         for relative, record in file_records(local, exclude=(MANIFEST,)).items()
         if not relative.startswith(exclude)
     }
-    remote = store.listing()
-    differ = [
-        r for r, record in records.items() if remote.get(r) != record["bytes"]
-    ]  # absent or another size
+    remote = (
+        store.listing()
+    )  # objects absent there or of another size are uploaded whatever this copy recorded
+    differ = [r for r, record in records.items() if remote.get(r) != record["bytes"]]
     upload_new(local, store, records, force=differ)
     store.write_bytes(FILES, json.dumps(records, indent=1).encode())
     store.write_bytes(MANIFEST, (json.dumps(to_uris(manifest), indent=2) + "\n").encode())

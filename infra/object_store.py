@@ -41,6 +41,10 @@ class StorageError(UserError):
     """The object store refused or could not be reached; the message names what to set or check."""
 
 
+class DamagedObject(StorageError):
+    """An object whose size or sha256 differs from what was recorded when it was written."""
+
+
 def is_remote(location: str | Path) -> bool:
     """True for a `scheme://` URI (a local path, `file://` included, is not remote)."""
     text = str(location)
@@ -251,12 +255,12 @@ class Store:
             actual = self._retry(relative, get)
             got = tmp.stat().st_size
             if size is not None and got != size:
-                raise StorageError(
+                raise DamagedObject(
                     f"{self.url(relative)}: {got} bytes, {size} when written (truncated or replaced); rerun the stage "
                     "that wrote it: it rebuilds what is damaged"
                 )
             if sha256 is not None and actual != sha256:
-                raise StorageError(
+                raise DamagedObject(
                     f"{self.url(relative)}: bytes differ from the sha256 recorded when it was written (modified or "
                     "corrupted); rerun the stage that wrote it: it rebuilds what is damaged"
                 )

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from infra import mirror
 from infra.errors import UserError
-from infra.object_store import Store, is_remote, open_store
+from infra.object_store import DamagedObject, Store, is_remote, open_store
 from infra.storage import MANIFEST, atomic_write_json, digest_of
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class Step(Generic[A]):
             return None
         try:
             mirror.pull(store, self.directory(root), self.kind.lazy_files)
-        except mirror.DamagedObject as problem:
+        except DamagedObject as problem:
             log.warning("%s finished but is damaged (%s); rebuilding it", store.uri, problem)
             return None
         atomic_write_json(self.directory(root) / MANIFEST, manifest)
