@@ -106,6 +106,7 @@ def main() -> None:
 
         # --- shard reads: local, store with an empty cache, store with a warm cache
         size = sum(s.bytes for s in local.splits["train"].shards)
+        shutil.rmtree(Path(remote.path))  # read as a node that did not write them: through the cache
         shutil.rmtree(blob_cache.blob_dir(), ignore_errors=True)
         _, cold = timed(touch_all, remote)
         _, warm = timed(touch_all, remote)

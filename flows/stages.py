@@ -24,6 +24,7 @@ from evaluation.report import EvalReport
 from evaluation.scaling_report import ScalingFit
 from flows.recipe import ConfigError, Recipe
 from flows.runner import ItemProgress, Runner, StepProgress, T, TrialProgress
+from infra.object_store import is_remote
 from training.compress_stage import Compressed
 from training.compress_stage import check as check_compress
 from training.distill import Teacher
@@ -208,8 +209,8 @@ def register(
 
 def load_model(run_dir: str | Path) -> TrainedModel:
     """A finished, intact training run by directory; one line naming the fix when it is missing, unfinished or
-    damaged."""
-    if not Path(run_dir).is_dir():
+    damaged. An object-store URI of a run is pulled to this node first."""
+    if not is_remote(run_dir) and not Path(run_dir).is_dir():
         raise ConfigError(
             f"{run_dir}: no such run directory; give a training run's directory (outputs/<stage>/<name>-<hash>)"
         )

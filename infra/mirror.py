@@ -25,7 +25,6 @@ from infra.storage import MANIFEST, atomic_write_json, damaged_file, file_record
 log = logging.getLogger(__name__)
 
 FILES = ".files.json"  # remote, per finished directory: {relative path: {bytes, sha256}}
-PUSHED = ".pushed.json"  # local: {relative path: [bytes, mtime_ns]} of files this copy already uploaded
 
 
 def cache_root() -> Path:
@@ -97,7 +96,6 @@ def pull(store: Store, local: Path, lazy: Iterable[str] = ()) -> None:
             store.download(relative, local / relative, record["sha256"], record["bytes"])
         except DamagedObject:
             _unfinish(store, relative, "bytes differ from the sha256 recorded when it was written")
-    _remember_pushed(local, records)
 
 
 def _intact(path: Path, record: dict[str, Any]) -> bool:
@@ -138,44 +136,46 @@ def pull_unfinished(store: Store, local: Path, plain_files: bool = True) -> None
         store.download(relative, local / relative, size=listing[relative])
 
 
-def _remember_pushed(local: Path, records: dict[str, dict[str, Any]]) -> None:
-    pushed = {}
-    for relative, record in records.items():
-        path = local / relative
-        if path.is_file() and path.stat().st_size == record["bytes"]:
-            pushed[relative] = [record["bytes"], path.stat().st_mtime_ns]
-    if local.is_dir():
-        atomic_write_json(local / PUSHED, pushed)
-
-
-def upload_new(local: Path, store: Store, relatives: Iterable[str], force: Iterable[str] = ()) -> None:
-    """Upload those of `relatives` (files under `local`) that this copy has not uploaded as they are now, and
-    every one in `force`."""
-    force = set(force)
-    try:
-        pushed: dict[str, list[int]] = json.loads((local / PUSHED).read_text())
-    except (OSError, ValueError):
-        pushed = {}
-    for relative in relatives:
-        stat = (local / relative).stat()
-        if relative in force or pushed.get(relative) != [stat.st_size, stat.st_mtime_ns]:
-            store.upload(local / relative, relative)
-            pushed[relative] = [stat.st_size, stat.st_mtime_ns]
-    atomic_write_json(local / PUSHED, pushed)
+def _digests_in_markers(records: dict[str, dict[str, Any]], read: Any) -> dict[str, str]:
+    """{relative path: sha256} that the checkpoint markers (`checkpoints/step-N/COMPLETE`, listing every file of
+    the checkpoint) among `records` state, as `read(relative)` returns their JSON (None when absent)."""
+    digests = {}
+    for relative in records:
+        if relative.startswith("checkpoints/") and relative.endswith("/COMPLETE"):
+            marker = read(relative)
+            for name, record in ((marker or {}).get("files") or {}).items():
+                digests[f"{relative.removesuffix('COMPLETE')}{name}"] = record["sha256"]
+    return digests
 
 
 def push(local: Path, store: Store, manifest: dict[str, Any], exclude: tuple[str, ...] = ("ray/",)) -> None:
-    """Upload a finished directory: files not yet there, `.files.json`, then the manifest (with URIs) last."""
+    """Upload a finished directory: each file the store lacks (checkpoints uploaded while training are not sent
+    again), then `.files.json`, then the manifest (with URIs) last."""
+
+    def local_marker(relative: str) -> Any:
+        return json.loads((local / relative).read_text())
+
+    def remote_marker(relative: str) -> Any:
+        return json.loads(store.read_bytes(relative)) if remote.get(relative) else None
+
+    names = [p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()]
+    known = {
+        r: {"bytes": (local / r).stat().st_size, "sha256": d}
+        for r, d in _digests_in_markers(dict.fromkeys(names), local_marker).items()
+        if (local / r).is_file()
+    }
     records = {
         relative: record
-        for relative, record in file_records(local, exclude=(MANIFEST,)).items()
+        for relative, record in file_records(local, exclude=(MANIFEST,), known=known).items()
         if not relative.startswith(exclude)
     }
-    remote = (
-        store.listing()
-    )  # objects absent there or of another size are uploaded whatever this copy recorded
-    differ = [r for r, record in records.items() if remote.get(r) != record["bytes"]]
-    upload_new(local, store, records, force=differ)
+    remote = store.listing()
+    there = _digests_in_markers(records, remote_marker)
+    if remote.get(FILES):
+        there |= {r: record["sha256"] for r, record in json.loads(store.read_bytes(FILES)).items()}
+    for relative, record in records.items():
+        if remote.get(relative) != record["bytes"] or there.get(relative) != record["sha256"]:
+            store.upload(local / relative, relative)
     store.write_bytes(FILES, json.dumps(records, indent=1).encode())
     store.write_bytes(MANIFEST, (json.dumps(to_uris(manifest), indent=2) + "\n").encode())
 

@@ -61,8 +61,23 @@ class Artifact(BaseModel):
         mirror.pull_referenced(root_uri, self.model_dump(mode="json"), {self.uri: self.lazy_files})
 
     @classmethod
+    def _pull(cls, uri: str) -> Path:
+        store, local = open_store(uri), mirror.local_path(uri)
+        manifest = mirror.read_manifest(store)
+        if manifest is None:
+            raise UserError(
+                f"{uri}: no {MANIFEST} there, so it has not finished: rerun the command that started it"
+            )
+        mirror.pull(store, local, cls.lazy_files)
+        atomic_write_json(local / MANIFEST, manifest)
+        return local
+
+    @classmethod
     def load(cls, directory: str | Path) -> Any:
-        """The finished, intact artifact in `directory`; anything else is a one-line UserError saying why."""
+        """The finished, intact artifact in `directory` (a path or an object-store URI, pulled to this node);
+        anything else is a one-line UserError saying why."""
+        if is_remote(directory):
+            directory = cls._pull(str(directory))
         path = Path(directory) / MANIFEST
         if not Path(directory).is_dir():
             raise UserError(

@@ -55,7 +55,7 @@ def straight(s3) -> Path:
 def test_pipeline_on_object_storage(s3, straight: Path) -> None:
     from data_pipeline.tokenize import run_tokenize
     from flows.recipe import load_recipe
-    from flows.stages import evaluate, sft_data
+    from flows.stages import evaluate, load_model, sft_data
     from training.finetune import run_sft
     from training.pretrain import run_pretrain
 
@@ -87,6 +87,7 @@ def test_pipeline_on_object_storage(s3, straight: Path) -> None:
     )
     assert manifest["path"].startswith(uri)  # remote manifests name the store, not a node's disk
     assert (Path(report.path) / "report.md").is_file()
+    assert load_model(lora.uri).key == lora.key  # `lmforge eval <recipe> s3://...` takes runs by URI
 
 
 def test_killed_run_resumes_on_another_node_exactly(s3, straight: Path, tmp_path: Path) -> None:
@@ -229,3 +230,33 @@ def test_ray_data_tokenizes_sources_on_the_store_like_local_processes(
         remote.source_fingerprint == local.source_fingerprint
     )  # ids are relative to the glob, wherever it is
     assert remote.read_stats["documents"] == local.read_stats["documents"] == 120
+
+
+def test_an_upload_cut_short_is_finished_by_the_rerun(s3, small_data_cfg, monkeypatch) -> None:
+    """The network goes away in the middle of uploading a finished stage (after the store's retries): the stage
+    fails with its one-line error and nothing is marked finished there; the rerun uploads the rest, no re-encoding."""
+    from data_pipeline.tokenize import run_tokenize
+    from infra.object_store import Store
+
+    upload, shards = Store.upload, []
+
+    def network_gone_after_one_shard(self: Store, local: Path, relative: str) -> None:
+        if relative.endswith(".arrow"):
+            shards.append(relative)
+            if len(shards) > 1:
+                raise StorageError(f"{self.url(relative)}: connection reset (after 5 attempt(s))")
+        upload(self, local, relative)
+
+    uri = "s3://lmforge/cut-short"
+    monkeypatch.setattr(Store, "upload", network_gone_after_one_shard)
+    with pytest.raises(StorageError, match="connection reset"):
+        run_tokenize(small_data_cfg, uri)
+    store = open_store(uri)
+    assert not any(k.startswith("tokenize/") and k.endswith("manifest.json") for k in store.listing())
+    monkeypatch.setattr(Store, "upload", upload)
+    encoded: list[int] = []
+    data = run_tokenize(small_data_cfg, uri, progress=lambda docs, tokens: encoded.append(docs))
+    assert encoded == []  # finished here already: only the upload was left
+    assert store.size(f"{Path(data.path).parent.name}/{Path(data.path).name}/manifest.json")
+    for shard in data.splits["train"].shards:
+        assert store.size(f"tokenize/{Path(data.path).name}/{shard.file}") == shard.bytes
