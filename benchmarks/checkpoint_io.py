@@ -64,14 +64,8 @@ def raw_write(path: Path, size: int) -> float:
     return seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--dir", type=Path, default=None, help="where to write (default: a temporary directory)"
-    )
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+def wide_engine() -> Any:
+    """The `wide` model in our DeepSpeed engine after one AdamW step (weights and both moments to save)."""
     init_distributed()
     recipe = load_recipe(
         "demo", ["train.seq_len=128", "train.micro_batch_size=8", "train.global_batch_size=8"]
@@ -80,6 +74,18 @@ def main() -> None:
     (batch,) = batches(WIDE, 128, 8, 1, torch.device("cpu"))
     engine.backward(engine.forward(batch).loss)
     engine.step(recipe.optim.lr)
+    return engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where to write (default: a temporary directory)"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    engine = wide_engine()
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         run_dir = Path(tmp)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/s3_server.py: the test server
-from checkpoint_io import WIDE, Position, batches, fsync_tree  # this script's directory
+from checkpoint_io import Position, fsync_tree, wide_engine  # this script's directory
 
 from data_pipeline.loader import PackedLoader
 from data_pipeline.shards import ShardReader
@@ -39,7 +39,6 @@ from infra.object_store import open_store
 from tests.s3_server import s3_server
 from training.loop import LoopSetup, LoopState, save_checkpoint
 from training.model import Transformer
-from training.parallel import build_engine, init_distributed
 
 
 def timed(function, *args):  # noqa: ANN001, ANN202 - a stopwatch
@@ -129,14 +128,7 @@ def main() -> None:
         }
 
         # --- checkpoints: local run directory vs one on the store
-        init_distributed()
-        demo = load_recipe(
-            "demo", ["train.seq_len=128", "train.micro_batch_size=8", "train.global_batch_size=8"]
-        )
-        engine = build_engine(Transformer(WIDE, seed=0), demo.optim, demo.parallel, demo.train)
-        (batch,) = batches(WIDE, 128, 8, 1, torch.device("cpu"))
-        engine.backward(engine.forward(batch).loss)
-        engine.step(demo.optim.lr)
+        engine = wide_engine()
         seconds: dict[str, list[float]] = {"local": [], "s3": []}
         for repeat in range(1, args.repeats + 1):
             for where in ("local", "s3"):

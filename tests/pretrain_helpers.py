@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,7 +17,7 @@ GOLDEN = ROOT / "tests" / "assets" / "golden" / "smoke_losses.json"
 MOE = "model.moe={n_experts: 4, top_k: 2, d_ff_expert: 64}"
 
 
-def smoke_overrides(output_dir: Path, *extra: str) -> list[str]:
+def smoke_overrides(output_dir: Path | str, *extra: str) -> list[str]:
     """The smoke recipe on the committed corpus (independent of the installed Python's stdlib)."""
     return [
         f"data.sources=[{CORPUS}]",
@@ -50,9 +51,8 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     )
 
 
-def kill_after_checkpoint(args: list[str], stage_dir: Path, step: int, log: Path) -> Path:
-    """Run `lmforge *args`, SIGKILL its whole process group (driver, Ray, workers) as soon as the checkpoint
-    of `step` is complete under `stage_dir`, and return the killed run's directory."""
+def kill_when(args: list[str], ready: Callable[[], bool], log: Path) -> None:
+    """Run `lmforge *args` and SIGKILL its whole process group (driver, Ray, workers) as soon as `ready()`."""
     with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the run
         process = subprocess.Popen(
             lmforge_command(*args),
@@ -62,14 +62,20 @@ def kill_after_checkpoint(args: list[str], stage_dir: Path, step: int, log: Path
             start_new_session=True,
         )
         deadline = time.monotonic() + 300
-        while not list(stage_dir.glob(f"*/checkpoints/step-{step:08d}/COMPLETE")):
+        while not ready():
             assert process.poll() is None, (
                 f"the run ended before it could be killed: {log.read_text()[-3000:]}"
             )
-            assert time.monotonic() < deadline, f"no checkpoint {step} in 300 s: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"not ready to kill in 300 s: {log.read_text()[-3000:]}"
             time.sleep(0.01)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def kill_after_checkpoint(args: list[str], stage_dir: Path, step: int, log: Path) -> Path:
+    """Run `lmforge *args`, SIGKILL it as soon as the checkpoint of `step` is complete under `stage_dir`, and
+    return the killed run's directory."""
+    kill_when(args, lambda: bool(list(stage_dir.glob(f"*/checkpoints/step-{step:08d}/COMPLETE"))), log)
     return next(stage_dir.iterdir())
 
 

@@ -18,6 +18,7 @@ from tests.pretrain_helpers import (
     SMOKE_SETTINGS,
     clean_env,
     cli,
+    kill_when,
     lmforge_command,
     logged_once,
     losses,
@@ -36,7 +37,7 @@ STEPS = [
 
 
 def pretrain(uri: str) -> subprocess.CompletedProcess[str]:
-    return cli("pretrain", "smoke", *with_sets(smoke_overrides(uri, *STEPS)))  # type: ignore[arg-type]
+    return cli("pretrain", "smoke", *with_sets(smoke_overrides(uri, *STEPS)))
 
 
 def run_dir_of(uri: str) -> Path:
@@ -60,7 +61,7 @@ def test_pipeline_on_object_storage(s3, straight: Path) -> None:
     from training.pretrain import run_pretrain
 
     uri = "s3://lmforge/straight"
-    recipe = load_recipe("smoke", smoke_overrides(uri, *STEPS))  # type: ignore[arg-type]
+    recipe = load_recipe("smoke", smoke_overrides(uri, *STEPS))
     shutil.rmtree(mirror.cache_root())  # this process is another node: nothing local yet
     data = run_tokenize(recipe.data, recipe.output_dir)
     assert data.uri.startswith(uri) and not list(
@@ -91,29 +92,14 @@ def test_pipeline_on_object_storage(s3, straight: Path) -> None:
 
 
 def test_killed_run_resumes_on_another_node_exactly(s3, straight: Path, tmp_path: Path) -> None:
-    import os
-    import signal
-    import time
-
     uri = "s3://lmforge/killed"
     store = open_store(uri)
-    args = ["pretrain", "smoke", *with_sets(smoke_overrides(uri, *STEPS))]  # type: ignore[arg-type]
-    with (tmp_path / "killed.log").open("w") as out:
-        process = subprocess.Popen(
-            lmforge_command(*args),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=clean_env(),
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 300
-        while not any(k.endswith("checkpoints/step-00000010/COMPLETE") for k in store.listing()):
-            assert process.poll() is None and time.monotonic() < deadline, (
-                tmp_path / "killed.log"
-            ).read_text()[-3000:]
-            time.sleep(0.05)
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    args = ["pretrain", "smoke", *with_sets(smoke_overrides(uri, *STEPS))]
+
+    def checkpointed() -> bool:
+        return any(k.endswith("checkpoints/step-00000010/COMPLETE") for k in store.listing())
+
+    kill_when(args, checkpointed, tmp_path / "killed.log")
     assert not any(k.startswith("pretrain/") and k.endswith("/manifest.json") for k in store.listing())
     shutil.rmtree(mirror.local_path(uri))  # the restart lands on a node that never saw the run
     resumed = pretrain(uri)
@@ -133,7 +119,7 @@ def test_damaged_objects_are_detected_by_digest(s3, straight: Path, caplog) -> N
     from flows.recipe import load_recipe
 
     uri = "s3://lmforge/straight"
-    recipe = load_recipe("smoke", smoke_overrides(uri, *STEPS))  # type: ignore[arg-type]
+    recipe = load_recipe("smoke", smoke_overrides(uri, *STEPS))
     data = run_tokenize(recipe.data, recipe.output_dir)
     store = open_store(data.uri)
     shard = data.splits["train"].shards[0]
