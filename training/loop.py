@@ -375,9 +375,8 @@ def finish_checkpoint(engine: Engine, setup: LoopSetup, pending: PendingCheckpoi
     root = setup.run_dir / "checkpoints"
     staging = ckpt.staging_dir(root, pending.step)
     written = {path.relative_to(staging).as_posix(): record for path, record in engine.saved().items()}
-    if (
-        setup.remote is not None
-    ):  # every rank's own files, before the gather that lets rank 0 mark it complete
+    # on object storage, every rank uploads its own files before the gather that lets rank 0 mark it complete
+    if setup.remote is not None:
         written |= remote_checkpoint.upload_rank_files(
             setup.remote, staging, pending.step, written, setup.rank
         )
@@ -390,9 +389,7 @@ def finish_checkpoint(engine: Engine, setup: LoopSetup, pending: PendingCheckpoi
         if setup.remote is not None:
             remote_checkpoint.publish(setup.remote, setup.run_dir, final, keep)
     barrier()
-    if (
-        setup.rank != 0 and setup.remote is not None
-    ):  # on another node than rank 0: its files are in the store
+    if setup.rank != 0 and setup.remote is not None:  # a node apart from rank 0's keeps no staging copy
         shutil.rmtree(staging, ignore_errors=True)
     return ckpt.step_dir(root, pending.step)
 

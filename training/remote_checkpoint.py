@@ -9,7 +9,6 @@ it. Remote checkpoints beyond `keep`, and incomplete older ones, are deleted (CO
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,8 +17,6 @@ from typing import Any
 from infra.object_store import Store
 from infra.storage import sha256_file
 from training import checkpoint as ckpt
-
-log = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^checkpoints/(step-\d{8})/(.+)$")
 

@@ -209,7 +209,8 @@ def _train(
         store = open_store(remote) if remote else None
         if store is not None:  # a worker on another node continues the same MLflow run
             for name in ("run.json", "spec.json"):
-                store.upload(run_dir / name, name)
+                if (run_dir / name).is_file():
+                    store.upload(run_dir / name, name)
         job = TrainingJob(stage, spec, dict(inputs), run_dir.resolve(), run, key, remote)
         run_stage_workers(train_worker, job, spec.parallel, run_dir, stage.name, progress, store)
         if store is not None:  # the workers' newest checkpoint and metrics, wherever they ran
