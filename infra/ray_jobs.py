@@ -21,7 +21,11 @@ FORWARDED_ENV = (  # passed to the job by name, so secrets never appear in the c
     "PREFECT_API_AUTH_STRING",
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_DEFAULT_REGION",
     "MLFLOW_S3_ENDPOINT_URL",
+    "LMFORGE_OUTPUT_DIR",  # stage outputs on the cluster's bucket (LMFORGE_CACHE stays each node's own)
 )
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
