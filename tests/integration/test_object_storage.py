@@ -5,9 +5,11 @@ altered object is detected by its digest; bad storage settings end in one line (
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,18 @@ def pretrain(uri: str) -> subprocess.CompletedProcess[str]:
 def run_dir_of(uri: str) -> Path:
     (run,) = (mirror.local_path(uri) / "pretrain").iterdir()
     return run
+
+
+def gone(directory: Path, elsewhere: Path) -> None:
+    """Move a killed run's local copy out of the way, again if a worker still exiting recreates it."""
+    deadline = time.monotonic() + 60
+    for attempt in itertools.count():
+        if directory.exists():
+            directory.rename(elsewhere / f"gone-{attempt}")  # atomic, unlike a delete racing a writer
+        time.sleep(2)
+        if not directory.exists():
+            return
+        assert time.monotonic() < deadline, f"{directory} keeps being written after the kill"
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +115,7 @@ def test_killed_run_resumes_on_another_node_exactly(s3, straight: Path, tmp_path
 
     kill_when(args, checkpointed, tmp_path / "killed.log")
     assert not any(k.startswith("pretrain/") and k.endswith("/manifest.json") for k in store.listing())
-    shutil.rmtree(mirror.local_path(uri))  # the restart lands on a node that never saw the run
+    gone(mirror.local_path(uri), tmp_path)  # the restart lands on a node that never saw the run
     resumed = pretrain(uri)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     run_dir = run_dir_of(uri)
