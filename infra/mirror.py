@@ -98,6 +98,17 @@ def pull(store: Store, local: Path, lazy: Iterable[str] = ()) -> None:
             _unfinish(store, relative, "bytes differ from the sha256 recorded when it was written")
 
 
+def pull_finished(store: Store, local: Path, lazy: Iterable[str] = ()) -> dict[str, Any] | None:
+    """The manifest (local JSON) of the finished directory at `store`, pulled and verified into `local` with the
+    manifest written there too; None when it has not finished. A damaged object raises `DamagedObject` (`pull`)."""
+    manifest = read_manifest(store)
+    if manifest is None:
+        return None
+    pull(store, local, lazy)
+    atomic_write_json(local / MANIFEST, manifest)
+    return manifest
+
+
 def _intact(path: Path, record: dict[str, Any]) -> bool:
     return path.is_file() and damaged_file(path.parent, {path.name: record}) is None
 
@@ -136,11 +147,11 @@ def pull_unfinished(store: Store, local: Path, plain_files: bool = True) -> None
         store.download(relative, local / relative, size=listing[relative])
 
 
-def _digests_in_markers(records: dict[str, dict[str, Any]], read: Any) -> dict[str, str]:
+def _digests_in_markers(relatives: Iterable[str], read: Any) -> dict[str, str]:
     """{relative path: sha256} that the checkpoint markers (`checkpoints/step-N/COMPLETE`, listing every file of
-    the checkpoint) among `records` state, as `read(relative)` returns their JSON (None when absent)."""
+    the checkpoint) among `relatives` state, as `read(relative)` returns their JSON (None when absent)."""
     digests = {}
-    for relative in records:
+    for relative in relatives:
         if relative.startswith("checkpoints/") and relative.endswith("/COMPLETE"):
             marker = read(relative)
             for name, record in ((marker or {}).get("files") or {}).items():
@@ -161,7 +172,7 @@ def push(local: Path, store: Store, manifest: dict[str, Any], exclude: tuple[str
     names = [p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()]
     known = {
         r: {"bytes": (local / r).stat().st_size, "sha256": d}
-        for r, d in _digests_in_markers(dict.fromkeys(names), local_marker).items()
+        for r, d in _digests_in_markers(names, local_marker).items()
         if (local / r).is_file()
     }
     records = {
@@ -202,8 +213,4 @@ def pull_referenced(root_uri: str, manifest: dict[str, Any], lazy: dict[str, tup
         if (target / MANIFEST).is_file():
             continue
         store = open_store(root_uri).sub(relative)
-        remote = read_manifest(store)
-        if remote is None:
-            continue
-        pull(store, target, lazy.get(store.uri, ()))
-        atomic_write_json(target / MANIFEST, remote)
+        pull_finished(store, target, lazy.get(store.uri, ()))

@@ -193,9 +193,8 @@ class Store:
             raise StorageError(
                 f"{self.uri}: bucket {self.bucket!r} does not exist; create it or point output_dir at one that does"
             )
-        self._retry(
-            "", lambda: self.fs.get_file_info(self.key(""))
-        )  # a listing right: refused credentials show
+        # a request inside the bucket: refused credentials show here
+        self._retry("", lambda: self.fs.get_file_info(self.key("")))
 
     def size(self, relative: str) -> int | None:
         """The object's size in bytes, or None when there is none."""
@@ -239,9 +238,8 @@ class Store:
         """Copy `relative` to `local`, hashed as it arrives; it replaces `local` only when the size and sha256
         match what was recorded (a mismatch is a `StorageError` naming the object, and nothing is replaced)."""
         local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(
-            f".{local.name}.{uuid.uuid4().hex[:8]}.part"
-        )  # concurrent readers never collide
+        # a name of its own: concurrent readers of the same object never collide
+        tmp = local.with_name(f".{local.name}.{uuid.uuid4().hex[:8]}.part")
 
         def get() -> str:
             digest = hashlib.sha256()

@@ -62,14 +62,11 @@ class Artifact(BaseModel):
 
     @classmethod
     def _pull(cls, uri: str) -> Path:
-        store, local = open_store(uri), mirror.local_path(uri)
-        manifest = mirror.read_manifest(store)
-        if manifest is None:
+        local = mirror.local_path(uri)
+        if mirror.pull_finished(open_store(uri), local, cls.lazy_files) is None:
             raise UserError(
                 f"{uri}: no {MANIFEST} there, so it has not finished: rerun the command that started it"
             )
-        mirror.pull(store, local, cls.lazy_files)
-        atomic_write_json(local / MANIFEST, manifest)
         return local
 
     @classmethod
@@ -126,8 +123,7 @@ class Step(Generic[A]):
     def directory(self, root: str | Path) -> Path:
         """`<root>/<stage>/<name>-<first 12 hex of the key digest>` (this node's copy of it when `root` is an
         object store); not created."""
-        local_root = mirror.local_path(str(root)) if is_remote(root) else Path(root)
-        return local_root / self.relative()
+        return mirror.working_dir(root) / self.relative()
 
     def store(self, root: str | Path) -> Store:
         return open_store(str(root)).sub(self.relative())
@@ -144,30 +140,18 @@ class Step(Generic[A]):
 
     def _finished_remote(self, root: str | Path) -> A | None:
         store = self.store(root)
-        manifest = mirror.read_manifest(store)
-        if manifest is None:
-            return None
         try:
-            mirror.pull(store, self.directory(root), self.kind.lazy_files)
+            manifest = mirror.pull_finished(store, self.directory(root), self.kind.lazy_files)
         except DamagedObject as problem:
             log.warning("%s finished but is damaged (%s); rebuilding it", store.uri, problem)
             return None
-        atomic_write_json(self.directory(root) / MANIFEST, manifest)
-        return self._intact(self.kind.model_validate(manifest), root)
+        return None if manifest is None else self._intact(self.kind.model_validate(manifest), root)
 
     def _intact(self, artifact: A, root: str | Path) -> A | None:
         if problem := artifact.damage():
             log.warning("%s finished but is damaged (%s); rebuilding it", self.directory(root), problem)
             return None
         return artifact
-
-
-def _built_not_pushed(step: Step[A], out: Path) -> A | None:
-    """The artifact this node built into `out` whose push did not finish (intact), else None."""
-    if not (out / MANIFEST).is_file():
-        return None
-    artifact = step.kind.model_validate_json((out / MANIFEST).read_text())
-    return artifact if artifact.damage() is None else None
 
 
 @contextmanager
@@ -196,8 +180,9 @@ def run_step(root: str | Path, step: Step[A], build: Callable[[Path, str], A]) -
             return done
         key = step.digest()
         store = step.store(root) if is_remote(root) else None
-        if store is not None and (built := _built_not_pushed(step, out)) is not None:
-            mirror.push(out, store, built.model_dump(mode="json"))  # an upload cut short: finish it
+        # finished in this node's copy but not in the store: an upload cut short, which only needs finishing
+        if store is not None and (built := step.finished(mirror.working_dir(root))) is not None:
+            mirror.push(out, store, built.model_dump(mode="json"))
             return built
         if store is not None:
             mirror.pull_unfinished(store, out)  # what another node left: resume from it

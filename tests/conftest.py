@@ -123,17 +123,10 @@ def smoke_lora(smoke_base):
 def s3(tmp_path_factory):
     """A real S3-protocol server (moto) with a bucket `lmforge`; this process's environment points at it (with a
     node cache of its own) for the session, and subprocesses inherit that."""
-    from tests.s3_server import AWS_ENV, s3_server
+    from tests.s3_server import s3_server
 
     base = tmp_path_factory.mktemp("s3")
-    saved = {name: os.environ.get(name) for name in AWS_ENV}
-    with s3_server(base / "moto.log") as server:
-        os.environ.update(server.env(base / "cache"))
-        try:
-            yield server
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    with s3_server(base / "moto.log") as server, pytest.MonkeyPatch.context() as patch:
+        for name, value in server.env(base / "cache").items():
+            patch.setenv(name, value)
+        yield server

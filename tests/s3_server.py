@@ -18,13 +18,6 @@ from pathlib import Path
 from infra.services import free_port
 
 BUCKET = "lmforge"
-AWS_ENV = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_ENDPOINT_URL",
-    "AWS_DEFAULT_REGION",
-    "LMFORGE_CACHE",
-)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from infra.object_store import Store
 from infra.storage import sha256_file
 from training import checkpoint as ckpt
 
-_STEP = re.compile(r"^checkpoints/(step-\d{8})/(.+)$")
+_STEP = re.compile(r"^(step-\d{8})/(.+)$")  # a file of a checkpoint, relative to checkpoints/
 
 
 def upload_rank_files(
@@ -47,7 +47,7 @@ def prune(store: Store, keep: int) -> None:
     """Delete remote checkpoints older than the newest `keep` complete ones, and incomplete older leftovers."""
     files: dict[str, list[str]] = {}
     for relative in store.listing("checkpoints"):
-        match = _STEP.match(f"checkpoints/{relative}")
+        match = _STEP.match(relative)
         if match:
             files.setdefault(match.group(1), []).append(match.group(2))
     complete = sorted(name for name, names in files.items() if ckpt.COMPLETE in names)
