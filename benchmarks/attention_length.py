@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from training.model import ModelConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig
 
 TOKENS = 4096
 KINDS = ("softmax", "linear", "favor")

@@ -32,7 +32,8 @@ def small_trained_run(out: Path, recipe) -> tuple:
     from data_pipeline.loader import PackedLoader
     from data_pipeline.tokenize import run_tokenize
     from training.export import export_hf
-    from training.model import ModelConfig, Transformer
+    from training.model import Transformer
+    from training.model_config import ModelConfig
     from training.stage import TrainedModel
 
     data = run_tokenize(recipe.data.model_copy(update={"max_documents": 200}), out)

@@ -26,7 +26,8 @@ from flows.recipe import load_recipe
 from training.config import PreferenceLoss
 from training.distill import DistillObjective
 from training.loop import optimizer_step
-from training.model import ModelConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig
 from training.objective import TokenCrossEntropy
 from training.preference import PreferenceObjective
 

@@ -34,8 +34,8 @@ import torch
 from data_pipeline.loader import Batch
 from flows.recipe import load_recipe
 from training.accounting import flops_per_token
-from training.model import ModelConfig, Transformer
-from training.moe import MoEConfig
+from training.model import Transformer
+from training.model_config import ModelConfig, MoEConfig
 from training.perf import measure_matmul_peak, published_peak
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
+from data_pipeline.config import DataConfig
+from infra.tracking import TrackingConfig
+from training.compress_config import CompressConfig
+
 DEFAULT_PROMPTS = ("def ", "import os\n", "class ", '    """Return ')
 LOWER_IS_BETTER = ("loss", "bits_per_byte", "perplexity", "response_loss")
 
@@ -75,3 +79,29 @@ class EvalConfig(BaseModel):
 
     def gates_for(self, kind: str) -> list[Gate]:
         return self.dpo_gates if kind.startswith("dpo") else self.gates
+
+
+class EvalSpec(BaseModel):
+    """What evaluation receives: its settings, the data config (held-out documents are re-read from it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    output_dir: str
+    eval: EvalConfig = EvalConfig()
+    data: DataConfig = DataConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+
+class FrontierSpec(BaseModel):
+    """What the frontier receives: the evaluation settings, the corpus (held-out text) and the compress section
+    (tolerance, alias, generation length)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    output_dir: str
+    eval: EvalConfig = EvalConfig()
+    data: DataConfig = DataConfig()
+    compress: CompressConfig = CompressConfig()
+    tracking: TrackingConfig = TrackingConfig()

@@ -15,20 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
-from data_pipeline.config import DataConfig
 from data_pipeline.sources import Corpus
 from data_pipeline.tokenizer import describe
-from evaluation.config import LOWER_IS_BETTER, EvalConfig
+from evaluation.config import LOWER_IS_BETTER, EvalConfig, FrontierSpec
 from evaluation.heldout import heldout_documents
 from evaluation.model_io import EvalModel
 from evaluation.report import build_tasks, evaluate_model
 from evaluation.scoring import generate_text
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_bytes, atomic_write_json, sha256_file
-from infra.tracking import TrackingConfig, tracked_run
-from training.compress_stage import CompressConfig, Compressed, VariantRecord
+from infra.tracking import tracked_run
+from training.compress_stage import Compressed, VariantRecord
 from training.hf_interop import load_export
 from training.model import Transformer
 from training.stage import TrainedModel
@@ -48,20 +45,6 @@ ROW_FIELDS = {  # what a frontier row repeats from the variant's record
     "hf_export",
     "details",
 }
-
-
-class FrontierSpec(BaseModel):
-    """What the frontier receives: the evaluation settings, the corpus (held-out text) and the compress section
-    (tolerance, alias, generation length)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    output_dir: str
-    eval: EvalConfig = EvalConfig()
-    data: DataConfig = DataConfig()
-    compress: CompressConfig = CompressConfig()
-    tracking: TrackingConfig = TrackingConfig()
 
 
 class Frontier(Artifact):

@@ -11,12 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
-from data_pipeline.config import DataConfig
 from data_pipeline.preference import Pair, read_heldout_pairs
 from data_pipeline.sources import Corpus
-from evaluation.config import EvalConfig
+from evaluation.config import EvalConfig, EvalSpec
 from evaluation.favor_error import favor_error
 from evaluation.heldout import heldout_documents, heldout_metrics
 from evaluation.model_io import EvalModel, load_for_eval
@@ -26,22 +23,10 @@ from evaluation.spectra import expert_load, load_imbalance, lora_spectra, weight
 from evaluation.tasks import Task, load_task, run_task, sft_heldout_task, stdlib_import_task
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_bytes, atomic_write_json, sha256_file
-from infra.tracking import TrackingConfig, tracked_run
+from infra.tracking import tracked_run
 from training.stage import TrainedModel
 
 EVAL_VERSION = 2
-
-
-class EvalSpec(BaseModel):
-    """What evaluation receives: its settings, the data config (held-out documents are re-read from it)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    output_dir: str
-    eval: EvalConfig = EvalConfig()
-    data: DataConfig = DataConfig()
-    tracking: TrackingConfig = TrackingConfig()
 
 
 class EvalReport(Artifact):

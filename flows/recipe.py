@@ -11,41 +11,42 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from data_pipeline.config import DataConfig
-from evaluation.config import EvalConfig
-from evaluation.frontier import FrontierSpec
-from evaluation.report import EvalSpec
+from evaluation.config import EvalConfig, EvalSpec, FrontierSpec
 from infra.config import Change, ConfigError, apply_overrides, parse_override
 from infra.tracking import TrackingConfig
-from training.compress_stage import CompressConfig, CompressSpec
+from training.compress_config import CompressConfig, CompressSpec
 from training.config import (
     MATRIX_OPTIMIZERS,
     DistillConfig,
+    DistillSpec,
     DPOConfig,
-    FinetuneConfig,
+    DPOSpec,
     OptimConfig,
     ParallelConfig,
+    PretrainSpec,
+    SFTConfig,
+    SFTSpec,
     SweepConfig,
+    SweepSpec,
     TrainConfig,
     check_batch,
     check_context,
 )
-from training.distill import DistillSpec
-from training.finetune import SFTSpec
-from training.model import ModelConfig
-from training.preference import DPOSpec
-from training.pretrain import PretrainSpec
-from training.sweep import SweepSpec
+from training.model_config import ModelConfig
 
 __all__ = ["ConfigError", "Recipe", "apply_overrides", "load_recipe", "parse_override", "validate_recipe"]
 
+S = TypeVar("S", bound=BaseModel)
+log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -91,7 +92,7 @@ class Recipe(BaseModel):
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
     tracking: TrackingConfig = TrackingConfig()
-    finetune: FinetuneConfig = FinetuneConfig()
+    sft: SFTConfig = SFTConfig()
     dpo: DPOConfig = DPOConfig()
     distill: DistillConfig = DistillConfig()
     compress: CompressConfig = CompressConfig()
@@ -100,7 +101,7 @@ class Recipe(BaseModel):
 
     @model_validator(mode="after")
     def _check_across_slices(self) -> Recipe:
-        moe, par, train = self.model.moe, self.parallel, self.train
+        moe, par = self.model.moe, self.parallel
         if par.ep_size > 1 and moe is None:
             raise ValueError(
                 f"parallel.ep_size={par.ep_size} needs MoE layers; set model.moe or parallel.ep_size=1"
@@ -115,24 +116,18 @@ class Recipe(BaseModel):
                 "parallel.ep_size>1 runs DeepSpeed's MoE layer, whose top-1 gate does not renormalise the routing "
                 "weight (ours does); use model.moe.top_k>=2 or parallel.ep_size=1"
             )
-        optims = (
-            ("optim", self.optim),
-            ("finetune.optim", self.finetune.optim),
-            ("dpo.optim", self.dpo.optim),
-        )
-        for prefix, optim in (*optims, ("distill.optim", self.distill.optim)):
-            check_matrix_optimizer(prefix, optim, par, self.model)
+        for path, section in self.training_sections():
+            optim, at = section.optim, f"{path}optim"
+            check_matrix_optimizer(at, optim, par, self.model)
             if optim.name == "muon" and optim.grad_clip > 0 and par.zero_stage >= 1:
                 raise ValueError(
-                    f"{prefix}.name=muon with {prefix}.grad_clip={optim.grad_clip} under ZeRO-{par.zero_stage}: "
+                    f"{at}.name=muon with {at}.grad_clip={optim.grad_clip} under ZeRO-{par.zero_stage}: "
                     "DeepSpeed clips Muon's orthogonalised update by its global norm, which shrinks every step (~30x "
-                    f"on the smoke model); set {prefix}.grad_clip=0 (Muon's update has a fixed scale) or "
+                    f"on the smoke model); set {at}.grad_clip=0 (Muon's update has a fixed scale) or "
                     "parallel.zero_stage=0"
                 )
-        runs = (("train", train), ("finetune.train", self.finetune.train), ("dpo.train", self.dpo.train))
-        for prefix, run in (*runs, ("distill.train", self.distill.train)):
-            check_batch(run, par, prefix)
-            check_context(run, self.model.max_seq_len, prefix)
+            check_batch(section.train, par, f"{path}train")
+            check_context(section.train, self.model.max_seq_len, f"{path}train")
         try:
             self.student()
         except ValidationError as error:
@@ -145,48 +140,37 @@ class Recipe(BaseModel):
             )
         return self
 
+    def training_sections(self) -> list[tuple[str, Any]]:
+        """(field path prefix, slice with `optim` and `train`): pretraining's (the recipe's own) and every training
+        stage's section, so the cross-slice rules reach a new stage's section without being listed here."""
+        sections: list[tuple[str, Any]] = [("", self)]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(getattr(value, "optim", None), OptimConfig) and hasattr(value, "train"):
+                sections.append((f"{name}.", value))
+        return sections
+
     # ---- the per-stage specs the libraries receive -----------------------------------------------------
 
+    def spec(self, kind: type[S], **fields: Any) -> S:
+        """A stage's spec: `fields` (its recipe section, unpacked) over the recipe's own fields of the same names
+        (name, output_dir, parallel, tracking, ...), so no spec repeats a section's fields."""
+        shared = {name: getattr(self, name) for name in kind.model_fields if name in type(self).model_fields}
+        return kind.model_validate({**shared, **fields})
+
+    def section_spec(self, section: str, kind: type[S]) -> S:
+        """The spec of the stage whose recipe section is `section` (e.g. `sft` -> SFTSpec)."""
+        return self.spec(kind, **dict(getattr(self, section)))
+
     def pretrain_spec(self) -> PretrainSpec:
-        return PretrainSpec(
-            name=self.name,
-            output_dir=self.output_dir,
-            model=self.model,
-            optim=self.optim,
-            train=self.train,
-            parallel=self.parallel,
-            tracking=self.tracking,
-            probe=self.sweep.probe,  # the sweep's downstream probe, so the rung is measured like every point
-        )
+        # the sweep's downstream probe, so the rung is measured like every point
+        return self.spec(PretrainSpec, probe=self.sweep.probe)
 
     def sft_spec(self) -> SFTSpec:
-        ft = self.finetune
-        return SFTSpec(
-            name=self.name,
-            output_dir=self.output_dir,
-            method=ft.method,
-            lora=ft.lora,
-            optim=ft.optim,
-            train=ft.train,
-            eval_examples=ft.eval_examples,
-            parallel=self.parallel,
-            tracking=self.tracking,
-        )
+        return self.section_spec("sft", SFTSpec)
 
     def dpo_spec(self) -> DPOSpec:
-        dpo = self.dpo
-        return DPOSpec(
-            name=self.name,
-            output_dir=self.output_dir,
-            method=dpo.method,
-            lora=dpo.lora,
-            loss=dpo.loss,
-            optim=dpo.optim,
-            train=dpo.train,
-            eval_pairs=dpo.eval_pairs,
-            parallel=self.parallel,
-            tracking=self.tracking,
-        )
+        return self.section_spec("dpo", DPOSpec)
 
     def student(self) -> ModelConfig:
         """The distillation student: the recipe's model with `distill.student`'s changes (`depth` derives the
@@ -201,49 +185,19 @@ class Recipe(BaseModel):
         return ModelConfig.model_validate({**model, **self.distill.student})
 
     def distill_spec(self) -> DistillSpec:
-        d = self.distill
-        return DistillSpec(
-            name=self.name,
-            output_dir=self.output_dir,
-            model=self.student(),
-            loss=d.loss,
-            alpha=d.alpha,
-            temperature=d.temperature,
-            jsd_beta=d.jsd_beta,
-            optim=d.optim,
-            train=d.train,
-            parallel=self.parallel,
-            tracking=self.tracking,
-        )
+        return self.spec(DistillSpec, **dict(self.distill), model=self.student())
 
     def sweep_spec(self) -> SweepSpec:
-        return SweepSpec(
-            name=self.name,
-            output_dir=self.output_dir,
-            sweep=self.sweep,
-            base=self.pretrain_spec(),
-            tracking=self.tracking,
-        )
+        return self.spec(SweepSpec, base=self.pretrain_spec())
 
     def eval_spec(self) -> EvalSpec:
-        return EvalSpec(
-            name=self.name, output_dir=self.output_dir, eval=self.eval, data=self.data, tracking=self.tracking
-        )
+        return self.spec(EvalSpec)
 
     def compress_spec(self) -> CompressSpec:
-        return CompressSpec(
-            name=self.name, output_dir=self.output_dir, compress=self.compress, tracking=self.tracking
-        )
+        return self.spec(CompressSpec)
 
     def frontier_spec(self) -> FrontierSpec:
-        return FrontierSpec(
-            name=self.name,
-            output_dir=self.output_dir,
-            eval=self.eval,
-            data=self.data,
-            compress=self.compress,
-            tracking=self.tracking,
-        )
+        return self.spec(FrontierSpec)
 
     def override(self, *changes: Change) -> Recipe:
         """This recipe with `a.b=c` strings or {"a.b": value} mappings applied, validated again."""
@@ -303,10 +257,32 @@ def _unknown_key_message(model_name: str, loc: tuple[int | str, ...]) -> str:
     return f"unknown key{hint} (valid keys: {', '.join(valid)})" if valid else f"unknown key{hint}"
 
 
+# Recipe sections that were renamed so that each stage has one name everywhere: old name -> new name.
+RENAMED_SECTIONS = {"finetune": "sft"}
+
+
+def renamed_sections(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with old section names moved to their new ones, each named in a deprecation line on stderr. Old
+    names win over new ones where both set a field: after a recipe file is renamed, only overrides still use them."""
+    for old, new in RENAMED_SECTIONS.items():
+        if isinstance(data.get(old), dict):
+            log.warning("recipe section %r is now %r; rename it (read as %r this time)", old, new, new)
+            data = {k: v for k, v in data.items() if k != old} | {new: merged(data.get(new) or {}, data[old])}
+    return data
+
+
+def merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`, nested mappings merged key by key."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def validate_recipe(data: dict[str, Any]) -> Recipe:
     """Validate plain data into a Recipe, turning pydantic's report into a one-line-per-problem ConfigError."""
     try:
-        return Recipe.model_validate(data)
+        return Recipe.model_validate(renamed_sections(data))
     except ValidationError as error:
         raise ConfigError(format_validation_error(error)) from None
 
@@ -321,4 +297,4 @@ def load_recipe(recipe: str | Path, overrides: list[str] | None = None) -> Recip
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a YAML mapping with sections name, model, optim, ...")
     data.setdefault("name", path.stem)
-    return validate_recipe(apply_overrides(data, overrides or []))
+    return validate_recipe(apply_overrides(renamed_sections(data), overrides or []))

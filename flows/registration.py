@@ -9,10 +9,10 @@ from evaluation.scaling_report import ScalingFit
 from flows.recipe import Recipe
 from infra.errors import UserError
 from infra.registry import RegisteredVersion, register
+from training.compress_config import QUANTIZED
 from training.compress_stage import Compressed
 from training.hf_interop import load_hf_config, no_llama_layout
 from training.stage import TrainedModel
-from training.variants import QUANTIZED
 
 
 def register_final(

@@ -24,7 +24,8 @@ from typing import Literal
 import torch
 
 from training.linear_attention import CHUNK
-from training.model import ModelConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig
 from training.optim import STATE_BYTES
 
 Precision = Literal["fp32", "bf16", "fp16"]

@@ -18,87 +18,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.loader import PackedLoader
 from data_pipeline.shards import DatasetManifest
 from data_pipeline.sources import DataError
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json, damaged_file, sha256_file
-from infra.tracking import TrackingConfig
 from training.compress import model_bytes
+from training.compress_config import CalibrationConfig, CompressSpec
 from training.export import export_damage, read_verification
 from training.hf_interop import load_export, load_hf_config, no_llama_layout
 from training.stage import TrainedModel
-from training.variants import (
-    FACTORS,
-    PACKED,
-    VariantConfig,
-    build_variant,
-    check_shapes,
-    save_variant,
-    weight_files,
-)
+from training.variants import FACTORS, PACKED, build_variant, check_shapes, save_variant, weight_files
 
 log = logging.getLogger(__name__)
 COMPRESS_VERSION = 1
-DEFAULT_VARIANTS = (
-    {"method": "int8-weight"},
-    {"method": "int8-dynamic"},
-    {"method": "int4", "group_size": 32},
-    {"method": "rtn", "bits": 4, "group_size": 32},
-    {"method": "gptq", "bits": 4, "group_size": 32},
-    {"method": "lowrank", "energy": 0.9},
-    {"method": "magnitude", "sparsity": 0.5},
-    {"method": "wanda", "sparsity": 0.5},
-    {"method": "wanda", "pattern": "2:4"},
-)
-
-
-class CalibrationConfig(BaseModel):
-    """The calibration sample: `sequences` context-length windows of the train split, drawn with `seed`."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    sequences: PositiveInt = 32
-    seed: NonNegativeInt = 0
-    batch_size: PositiveInt = 8
-
-
-class CompressConfig(BaseModel):
-    """The recipe's `compress:` section: the variants to make, their calibration, and which one the registry may
-    take (the smallest whose held-out loss is within `tolerance` of the uncompressed model's, alias `alias`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    variants: list[VariantConfig] = Field(
-        default_factory=lambda: [VariantConfig(**v) for v in DEFAULT_VARIANTS]
-    )
-    calibration: CalibrationConfig = CalibrationConfig()
-    tolerance: float = Field(0.02, ge=0)  # relative held-out loss increase the registered variant may show
-    alias: str = "compressed"
-    generate_tokens: PositiveInt = 64  # tokens generated (greedy) to measure tokens/s
-
-    @field_validator("variants")
-    @classmethod
-    def _distinct(cls, variants: list[VariantConfig]) -> list[VariantConfig]:
-        names = [v.name for v in variants]
-        if not variants:
-            raise ValueError("no variants; list at least one method (e.g. {method: gptq, bits: 4})")
-        if len(set(names)) != len(names):
-            raise ValueError(f"variants repeat: {sorted({n for n in names if names.count(n) > 1})}")
-        return variants
-
-
-class CompressSpec(BaseModel):
-    """What the compress stage receives."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    output_dir: str
-    compress: CompressConfig = CompressConfig()
-    tracking: TrackingConfig = TrackingConfig()
 
 
 class VariantRecord(BaseModel):

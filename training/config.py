@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from infra.tracking import TrackingConfig
+from training.model_config import ModelConfig
 
 # Optimisers that precondition whole matrices: they take the blocks' 2-D weights (AdamW the rest) and need to see
 # them as matrices, so neither ZeRO's flat partitions nor μP's per-group rates apply (training/matrix_optim.py).
@@ -160,8 +161,8 @@ class LoraSettings(BaseModel):
     experts: bool = False  # also adapt MoE experts' stacked weights (PEFT target_parameters)
 
 
-class FinetuneConfig(BaseModel):
-    """Stage 3: supervised fine-tuning of a pretrained checkpoint, full or LoRA, with its own optimiser and run."""
+class SFTConfig(BaseModel):
+    """Supervised fine-tuning (the recipe's `sft:` section) of a pretrained checkpoint, full or LoRA, with its own optimiser and run."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -321,3 +322,55 @@ class TrainingSpec(BaseModel):
         check_batch(self.train, self.parallel)
         check_horizons(self.train, self.optim)
         return self
+
+
+class PretrainSpec(TrainingSpec):
+    """What pretraining receives: the model to build plus the common training slices."""
+
+    KEY: ClassVar[set[str]] = {"model", "optim", "train", "probe"}
+
+    model: ModelConfig
+    probe: Literal["humaneval"] | None = None  # a downstream task loss at every final evaluation
+
+    @model_validator(mode="after")
+    def _fits_context(self) -> PretrainSpec:
+        check_context(self.train, self.model.max_seq_len)
+        return self
+
+
+class SFTSpec(SFTConfig, TrainingSpec):
+    """What fine-tuning receives: the recipe's `sft:` section plus the run's name, outputs, parallelism, tracking."""
+
+    KEY: ClassVar[set[str]] = {"method", "lora", "optim", "train", "eval_examples"}
+
+
+class DPOSpec(DPOConfig, TrainingSpec):
+    """What preference tuning receives: the recipe's `dpo:` section plus the run's context."""
+
+    KEY: ClassVar[set[str]] = {"method", "lora", "loss", "optim", "train", "eval_pairs"}
+
+
+class DistillSpec(DistillConfig, TrainingSpec):
+    """What distillation receives: the recipe's `distill:` section, the student's model it derives, the run's
+    context."""
+
+    KEY: ClassVar[set[str]] = {"model", "loss", "alpha", "temperature", "jsd_beta", "optim", "train"}
+
+    model: ModelConfig
+
+    @model_validator(mode="after")
+    def _fits_context(self) -> DistillSpec:
+        check_context(self.train, self.model.max_seq_len, "distill.train")
+        return self
+
+
+class SweepSpec(BaseModel):
+    """What the sweep receives: the grid and the pretraining spec every trial derives from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    output_dir: str
+    sweep: SweepConfig
+    base: PretrainSpec  # each trial overrides its size, horizon and learning rate
+    tracking: TrackingConfig = TrackingConfig()

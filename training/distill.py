@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, PositiveFloat, model_validator
 from torch import Tensor, nn
 
 from data_pipeline.loader import IGNORE_INDEX, Batch, SampledLoader
@@ -30,12 +29,13 @@ from data_pipeline.tokenizer import describe
 from infra.steps import Artifact
 from infra.storage import MANIFEST, digest_of, sha256_file
 from infra.tracking import Tracker
-from training.config import TrainingSpec, check_context
+from training.config import DistillSpec
 from training.engine import Engine
 from training.export import export_hf
 from training.hf_interop import load_export, load_hf_config
 from training.loop import Batches
-from training.model import ModelConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig
 from training.objective import Outcome
 from training.stage import (
     Progress,
@@ -138,23 +138,6 @@ def teacher_from_export(directory: str | Path) -> Teacher:
 
 
 # ---- the stage ---------------------------------------------------------------------------------------------------
-
-
-class DistillSpec(TrainingSpec):
-    """What distillation receives: the student's model, the loss settings and the common training slices."""
-
-    KEY: ClassVar[set[str]] = {"model", "loss", "alpha", "temperature", "jsd_beta", "optim", "train"}
-
-    model: ModelConfig
-    loss: Literal["kl", "jsd"] = "kl"
-    alpha: float = Field(0.5, ge=0.0, le=1.0)
-    temperature: PositiveFloat = 2.0
-    jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
-
-    @model_validator(mode="after")
-    def _fits_context(self) -> DistillSpec:
-        check_context(self.train, self.model.max_seq_len, "distill.train")
-        return self
 
 
 def data_tokenizer(data: Artifact) -> str:

@@ -15,10 +15,9 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import torch
-from pydantic import PositiveInt
 from tokenizers import Tokenizer
 from torch import nn
 
@@ -30,12 +29,13 @@ from data_pipeline.tokenizer import describe
 from infra.steps import Artifact
 from infra.storage import atomic_write_json
 from infra.tracking import Tracker
-from training.config import LoraSettings, TrainingSpec
+from training.config import LoraSettings, SFTSpec
 from training.export import export_hf
 from training.hf_interop import query_fold
 from training.loop import Batches
 from training.lora import apply_lora, merged_state_dict, save_adapter, trainable_counts
-from training.model import ModelConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig
 from training.sampling import generate
 from training.stage import (
     Progress,
@@ -48,16 +48,6 @@ from training.stage import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class SFTSpec(TrainingSpec):
-    """What fine-tuning receives: the method and adapter settings plus the common training slices."""
-
-    KEY: ClassVar[set[str]] = {"method", "lora", "optim", "train", "eval_examples"}
-
-    method: Literal["full", "lora"] = "lora"
-    lora: LoraSettings = LoraSettings()
-    eval_examples: PositiveInt = 64  # held-out prompts for exact match before and after
 
 
 def base_model(base: TrainedModel) -> Transformer:

@@ -23,34 +23,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 from torch import Tensor, nn
 
-
-class MoEConfig(BaseModel):
-    """Which layers are sparse and how they route."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    n_experts: PositiveInt = 8
-    top_k: PositiveInt = 2
-    d_ff_expert: PositiveInt
-    aux_loss_coef: NonNegativeFloat = 0.01
-    z_loss_coef: NonNegativeFloat = 0.001
-    first_k_dense: NonNegativeInt = 0
-    every_n_layers: PositiveInt = 1
-
-    @model_validator(mode="after")
-    def _check_top_k(self) -> MoEConfig:
-        if self.top_k > self.n_experts:
-            raise ValueError(
-                f"top_k={self.top_k} must be <= n_experts={self.n_experts}: lower moe.top_k or raise moe.n_experts"
-            )
-        return self
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Layers [0, first_k_dense) are dense; after that every `every_n_layers`-th layer is sparse."""
-        return layer >= self.first_k_dense and (layer - self.first_k_dense) % self.every_n_layers == 0
+from training.model_config import MoEConfig
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,10 @@ import io
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import PositiveInt
 from torch import Tensor, nn
 
 from data_pipeline.loader import IGNORE_INDEX, SampledLoader
@@ -28,13 +26,14 @@ from data_pipeline.sources import DataError
 from infra.steps import Artifact, Step, run_step
 from infra.storage import MANIFEST, atomic_write_bytes, atomic_write_json
 from infra.tracking import Tracker
-from training.config import LoraSettings, PreferenceLoss, TrainingSpec
+from training.config import DPOSpec, PreferenceLoss
 from training.engine import Engine
 from training.finetune import check_examples, export_tuned
 from training.hf_interop import load_export, load_hf_config
 from training.loop import Batches
 from training.lora import apply_lora
-from training.model import ModelConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig
 from training.objective import Outcome
 from training.stage import Progress, TrainedModel, TrainingJob, TrainingStage, run_training_stage, val_losses
 
@@ -191,17 +190,6 @@ def heldout_scores(
 
 
 # ---- the stage ----------------------------------------------------------------------------------------------------
-
-
-class DPOSpec(TrainingSpec):
-    """What preference tuning receives: method, adapter and loss settings plus the common training slices."""
-
-    KEY: ClassVar[set[str]] = {"method", "lora", "loss", "optim", "train", "eval_pairs"}
-
-    method: Literal["full", "lora"] = "lora"
-    lora: LoraSettings = LoraSettings()
-    loss: PreferenceLoss = PreferenceLoss()
-    eval_pairs: PositiveInt = 256
 
 
 def policy_model(base: TrainedModel, spec: DPOSpec) -> nn.Module:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar, Literal
 
-from pydantic import model_validator
 from torch import nn
 
 from data_pipeline.humaneval import humaneval_pairs
@@ -23,10 +21,11 @@ from data_pipeline.tokenizer import describe
 from infra.steps import Artifact
 from infra.storage import MANIFEST
 from infra.tracking import Tracker
-from training.config import TrainingSpec, check_context
+from training.config import PretrainSpec
 from training.export import ENGINE_TOLERANCE, EngineCheck, export_hf
 from training.loop import Batches
-from training.model import ModelConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig
 from training.probe import TaskProbe
 from training.stage import (
     Progress,
@@ -37,20 +36,6 @@ from training.stage import (
     trained_model,
     val_losses,
 )
-
-
-class PretrainSpec(TrainingSpec):
-    """What pretraining receives: the model to build plus the common training slices."""
-
-    KEY: ClassVar[set[str]] = {"model", "optim", "train", "probe"}
-
-    model: ModelConfig
-    probe: Literal["humaneval"] | None = None  # a downstream task loss at every final evaluation
-
-    @model_validator(mode="after")
-    def _fits_context(self) -> PretrainSpec:
-        check_context(self.train, self.model.max_seq_len)
-        return self
 
 
 class Pretrain(TrainingStage):

@@ -17,12 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import prune
 
+from training.compress_config import check_sparsity
+
 Pattern = Literal["unstructured", "2:4"]
-
-
-def check_sparsity(sparsity: float) -> None:
-    if not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"pruning sparsity {sparsity} is outside [0, 1); give the share of weights to zero")
 
 
 def n_m_mask(score: Tensor, n: int = 2, m: int = 4, name: str = "layer") -> Tensor:

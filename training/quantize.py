@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+from training.compress_config import SUPPORTED_BITS
 
 
 @dataclass(frozen=True)

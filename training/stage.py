@@ -34,7 +34,7 @@ from training.config import TrainConfig, TrainingSpec
 from training.export import export_damage
 from training.launch import run_stage_workers
 from training.loop import Batches, LoopSetup, read_jsonl, resume, train_loop
-from training.model import ModelConfig
+from training.model_config import ModelConfig
 from training.objective import Objective, TokenCrossEntropy
 from training.perf import measure_matmul_peak, published_peak
 

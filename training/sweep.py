@@ -31,32 +31,20 @@ from infra.config import override
 from infra.object_store import is_remote
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json
-from infra.tracking import TrackingConfig, tracked_run, tracking_uri
+from infra.tracking import tracked_run, tracking_uri
 from training.accounting import count_parameters
-from training.config import SweepConfig
+from training.config import PretrainSpec, SweepConfig, SweepSpec
 from training.launch import ensure_ray
 from training.loop import TrainingHalted
-from training.model import ModelConfig, depth_dial
+from training.model_config import ModelConfig, depth_dial
 from training.optim import decay_start
-from training.pretrain import PRETRAIN, PretrainSpec, run_pretrain
+from training.pretrain import PRETRAIN, run_pretrain
 from training.stage import TrainedModel, read_metrics, training_step
 
 log = logging.getLogger(__name__)
 SWEEP_VERSION = 3
 RESULTS = "results.parquet"
 TrialProgress = Callable[[int, int, dict[str, Any]], None]  # (finished, total, row)
-
-
-class SweepSpec(BaseModel):
-    """What the sweep receives: the grid and the pretraining spec every trial derives from."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    output_dir: str
-    sweep: SweepConfig
-    base: PretrainSpec  # each trial overrides its size, horizon and learning rate
-    tracking: TrackingConfig = TrackingConfig()
 
 
 class RunShape(BaseModel):

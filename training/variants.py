@@ -16,10 +16,9 @@ import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -34,6 +33,7 @@ from training.compress import (
     torchao_config,
     torchao_model,
 )
+from training.compress_config import QUANTIZED, VariantConfig
 from training.export import (
     TOLERANCE,
     copy_tokenizer_files,
@@ -44,94 +44,15 @@ from training.export import (
 )
 from training.hf_interop import load_export, load_hf_config, load_weights
 from training.lowrank import LowRankLinear, rank_for_energy
-from training.model import ModelConfig, Transformer
-from training.quantize import SUPPORTED_BITS, pack_codes, unpack_codes
+from training.model import Transformer
+from training.model_config import ModelConfig
+from training.quantize import pack_codes, unpack_codes
 
-Method = Literal["int8-weight", "int8-dynamic", "int4", "rtn", "gptq", "lowrank", "magnitude", "wanda"]
-QUANTIZED = ("int8-weight", "int8-dynamic", "int4", "rtn", "gptq")
-SETTINGS: dict[str, tuple[str, ...]] = {  # the fields each method reads
-    "int8-weight": (),
-    "int8-dynamic": (),
-    "int4": ("group_size",),
-    "rtn": ("bits", "group_size"),
-    "gptq": ("bits", "group_size", "damp"),
-    "lowrank": ("energy", "rank", "budget"),
-    "magnitude": ("sparsity", "pattern"),
-    "wanda": ("sparsity", "pattern"),
-}
 FACTORS = "factors.safetensors"
 PACKED = "packed.safetensors"
 DYNAMIC_TOLERANCE = (
     0.05  # mean |Δlogit| allowed for a dynamically quantized export (its codes must match exactly)
 )
-
-
-class VariantConfig(BaseModel):
-    """One entry of the recipe's `compress.variants`: a method and its settings (the others must stay unset)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    method: Method
-    bits: int | None = None  # rtn, gptq: 2, 3, 4 or 8 (default 4)
-    group_size: PositiveInt | None = None  # int4, rtn, gptq: input columns sharing a scale (default 32)
-    damp: float | None = Field(None, gt=0)  # gptq: λ = damp · mean(diag H) (default 0.01)
-    energy: float | None = Field(None, gt=0, le=1)  # lowrank: share of Σσ² kept per layer (default 0.9)
-    rank: PositiveInt | None = None  # lowrank: the same rank in every layer
-    budget: float | None = Field(None, gt=0, le=1)  # lowrank: share of the layers' parameters kept, globally
-    sparsity: float | None = None  # magnitude, wanda: share of weights zeroed, in [0, 1) (default 0.5)
-    pattern: Literal["unstructured", "2:4"] | None = None  # magnitude, wanda (default unstructured)
-
-    @model_validator(mode="after")
-    def _check(self) -> VariantConfig:
-        allowed = SETTINGS[self.method]
-        extra = [
-            f
-            for f in ("bits", "group_size", "damp", "energy", "rank", "budget", "sparsity", "pattern")
-            if getattr(self, f) is not None and f not in allowed
-        ]
-        if extra:
-            raise ValueError(
-                f"{', '.join(extra)} is not a setting of {self.method} (its settings: {', '.join(allowed) or 'none'})"
-            )
-        if self.bits is not None and self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"{self.bits}-bit quantization is not supported; use one of {SUPPORTED_BITS}")
-        if self.sparsity is not None:
-            prune.check_sparsity(self.sparsity)
-        if self.pattern == "2:4" and self.sparsity not in (None, 0.5):
-            raise ValueError("2:4 pruning zeroes exactly half the weights; drop sparsity or set it to 0.5")
-        if sum(x is not None for x in (self.energy, self.rank, self.budget)) > 1:
-            raise ValueError("lowrank takes one of energy, rank or budget")
-        return self
-
-    def settings(self) -> dict[str, Any]:
-        """Every setting the method reads, defaults filled in."""
-        defaults = {"bits": 4, "group_size": 32, "damp": 0.01, "sparsity": 0.5, "pattern": "unstructured"}
-        values = {
-            f: getattr(self, f) if getattr(self, f) is not None else defaults.get(f)
-            for f in SETTINGS[self.method]
-        }
-        if self.method == "lowrank" and not any(values.values()):
-            values["energy"] = 0.9
-        if values.get("pattern") == "2:4":
-            values["sparsity"] = 0.5
-        return {k: v for k, v in values.items() if v is not None}
-
-    @property
-    def name(self) -> str:
-        """A short, path-safe label: `gptq-w4g32` (`-d0.1` with a damping given), `int4-g64`, `lowrank-e0.9`,
-        `wanda-2of4`, `magnitude-s0.5`."""
-        s = self.settings()
-        if self.method in ("rtn", "gptq"):
-            damp = f"-d{s['damp']:g}" if self.damp is not None else ""
-            return f"{self.method}-w{s['bits']}g{s['group_size']}{damp}"
-        if self.method == "int4":
-            return f"int4-g{s['group_size']}"
-        if self.method == "lowrank":
-            key, value = next(iter(s.items()))
-            return f"lowrank-{key[0]}{value:g}"
-        if self.method in ("magnitude", "wanda"):
-            return f"{self.method}-2of4" if s["pattern"] == "2:4" else f"{self.method}-s{s['sparsity']:g}"
-        return self.method
 
 
 # ---- making a variant -----------------------------------------------------------------------------------

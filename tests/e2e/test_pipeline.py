@@ -21,7 +21,7 @@ from flows.recipe import load_recipe
 from infra.services import free_port, start_mlflow, start_prefect, stop
 from infra.storage import sha256_file
 from tests.pretrain_helpers import clean_env, lmforge_command, smoke_overrides, with_sets
-from training.model import ModelConfig
+from training.model_config import ModelConfig
 from training.sweep import count_n, plan_trials
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

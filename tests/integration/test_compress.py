@@ -167,7 +167,8 @@ def trained_small(tokenized):
     """A 2-layer model trained 300 AdamW steps on the small stdlib dataset (where 3-bit weights cost loss),
     with calibration and held-out batches."""
     from data_pipeline.loader import PackedLoader
-    from training.model import ModelConfig, Transformer
+    from training.model import Transformer
+    from training.model_config import ModelConfig
 
     data, _ = tokenized
     cfg = ModelConfig(

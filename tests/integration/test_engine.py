@@ -14,7 +14,8 @@ from flows.recipe import load_recipe
 from infra.tracking import NullTracker
 from training.loop import LoopSetup, LoopState, TrainingHalted, train_loop
 from training.model import ModelOutput, Transformer
-from training.moe import MoE, MoEConfig
+from training.model_config import MoEConfig
+from training.moe import MoE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

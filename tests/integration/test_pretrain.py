@@ -85,7 +85,8 @@ def test_training_learns_and_tracks_in_mlflow(golden_run: TrainedModel) -> None:
 def test_hf_export_gives_our_logits(golden_run: TrainedModel) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from training.model import ModelConfig, Transformer
+    from training.model import Transformer
+    from training.model_config import ModelConfig
     from training.parallel import fp32_state_dict
 
     assert golden_run.export_valid and golden_run.max_abs_logit_diff < 1e-5
@@ -105,7 +106,7 @@ def test_export_must_reproduce_the_engines_validation_loss(golden_run: TrainedMo
     from data_pipeline.loader import PackedLoader
     from data_pipeline.shards import DatasetManifest
     from training.export import EngineCheck, export_hf
-    from training.model import ModelConfig
+    from training.model_config import ModelConfig
     from training.parallel import fp32_state_dict
 
     record = json.loads((Path(golden_run.hf_export) / "export.json").read_text())

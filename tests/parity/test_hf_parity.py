@@ -15,8 +15,8 @@ from training.hf_interop import (
     model_config_from_hf,
     to_hf_state_dict,
 )
-from training.model import ModelConfig, MuPConfig, Transformer
-from training.moe import MoEConfig
+from training.model import Transformer
+from training.model_config import ModelConfig, MoEConfig, MuPConfig
 from training.sampling import generate
 
 pytestmark = pytest.mark.parity

@@ -22,7 +22,8 @@ from training.config import PreferenceLoss
 from training.distill import DistillObjective, generalized_jsd
 from training.engine import PlainEngine
 from training.hf_interop import load_export
-from training.model import ModelConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig
 from training.preference import PreferenceObjective, run_dpo, sequence_logps
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]

@@ -11,8 +11,8 @@ from training.accounting import (
     kv_cache_bytes,
     training_memory,
 )
-from training.model import ModelConfig, Transformer
-from training.moe import MoEConfig
+from training.model import Transformer
+from training.model_config import ModelConfig, MoEConfig
 
 BASE = ModelConfig(
     vocab_size=512, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=344, max_seq_len=256

@@ -102,7 +102,8 @@ def test_model_level_hessians_and_quantization(generator: torch.Generator) -> No
     """Hooks collect each block linear's inputs (q_proj sees the normed hidden states); quantization replaces
     exactly those layers' weights (LM head and embeddings stay), and GPTQ asks for calibration first."""
     from training.compress import layer_hessians, linear_layers, quantize_model
-    from training.model import ModelConfig, Transformer
+    from training.model import Transformer
+    from training.model_config import ModelConfig
 
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=64, max_seq_len=16)
     model = Transformer(cfg, seed=0)

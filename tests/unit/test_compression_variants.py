@@ -8,18 +8,13 @@ import pytest
 import torch
 
 from training.compress import linear_layers, model_bytes
+from training.compress_config import VariantConfig
 from training.export import export_hf, probe_tokens
-from training.model import ModelConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig
 from training.prune import n_m_mask
 from training.quantize import pack_codes, unpack_codes
-from training.variants import (
-    VariantConfig,
-    build_variant,
-    load_variant,
-    lowrank_ranks,
-    save_variant,
-    weight_files,
-)
+from training.variants import build_variant, load_variant, lowrank_ranks, save_variant, weight_files
 
 CFG = ModelConfig(
     vocab_size=64,

@@ -9,7 +9,8 @@ import torch
 from data_pipeline.config import END_OF_TURN
 from data_pipeline.tokenizer import describe
 from training.export import export_hf
-from training.model import ModelConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig
 
 
 def test_transformers_generation_stops_at_end_of_text(tokenized, tmp_path) -> None:

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from training.kfac import KFAC
-from training.model import ModelConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig
 
 
 def mlp(generator: torch.Generator) -> nn.Sequential:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.model import IGNORE_INDEX, ModelConfig, Transformer, apply_rope, rope_tables
-from training.moe import MoE, MoEConfig
+from training.model import IGNORE_INDEX, Transformer, apply_rope, rope_tables
+from training.model_config import ModelConfig, MoEConfig
+from training.moe import MoE
 from training.sampling import filter_logits, generate
 
 DENSE = ModelConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)

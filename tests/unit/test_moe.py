@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from training.model import FeedForward
-from training.moe import MoE, MoEConfig, TopKRouter
+from training.model_config import MoEConfig
+from training.moe import MoE, TopKRouter
 
 
 def test_one_expert_top1_equals_dense_ffn(generator: torch.Generator) -> None:

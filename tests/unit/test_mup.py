@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from training.config import OptimConfig
-from training.model import ModelConfig, MuPConfig, Transformer
+from training.model import Transformer
+from training.model_config import ModelConfig, MuPConfig
 from training.optim import param_groups, set_lr
 
 WIDTHS = (32, 64, 128, 256)

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from training.config import OptimConfig
-from training.model import ModelConfig, Transformer
-from training.moe import MoEConfig
+from training.model import Transformer
+from training.model_config import ModelConfig, MoEConfig
 from training.optim import lr_at, param_groups
 
 STEPS = 100

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from training.model import Transformer
-from training.moe import MoE, MoEConfig, RouterStats
+from training.model_config import MoEConfig
+from training.moe import MoE, RouterStats
 
 
 class _ExpertFFN(nn.Module):
