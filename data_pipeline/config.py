@@ -35,7 +35,7 @@ class TokenizerConfig(BaseModel):
         return self
 
 
-class SFTConfig(BaseModel):
+class SFTDataConfig(BaseModel):
     """Supervised fine-tuning examples: a JSONL file, or `builtin` (questions about the stdlib corpus)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -83,7 +83,7 @@ class DataConfig(BaseModel):
     shard_tokens: PositiveInt = 1_000_000
     num_workers: PositiveInt = 2
     backend: Literal["processes", "ray"] = "processes"
-    sft: SFTConfig = SFTConfig()
+    sft: SFTDataConfig = SFTDataConfig()
     preference: PreferenceConfig = PreferenceConfig()
 
     @field_validator("encoding")

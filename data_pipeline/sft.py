@@ -23,7 +23,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from data_pipeline.config import END_OF_TURN, ROLES, SPECIAL_TOKENS, SFTConfig
+from data_pipeline.config import END_OF_TURN, ROLES, SPECIAL_TOKENS, SFTDataConfig
 from data_pipeline.loader import IGNORE_INDEX, Batch, EpochSampler, SampledLoader
 from data_pipeline.sources import DataError, ReadStats, decode_text, split_of, stdlib_files, stdlib_root
 from data_pipeline.tokenizer import TokenizerRef
@@ -188,14 +188,14 @@ def padded_rows(rows: list[tuple[np.ndarray, np.ndarray]], width: int, pad_id: i
     return inputs, targets
 
 
-def sft_examples(cfg: SFTConfig) -> list[Messages]:
+def sft_examples(cfg: SFTDataConfig) -> list[Messages]:
     """The configured conversations: built-in stdlib questions or a JSONL file, at most `max_examples`."""
     if cfg.source == "builtin":
         return builtin_sft_examples(cfg.max_examples)
     return read_sft_jsonl(Path(cfg.source))[: cfg.max_examples]
 
 
-def run_sft_data(cfg: SFTConfig, tok: TokenizerRef, seq_len: int, root: str | Path) -> SFTManifest:
+def run_sft_data(cfg: SFTDataConfig, tok: TokenizerRef, seq_len: int, root: str | Path) -> SFTManifest:
     """Stage: encode SFT examples into `<root>/sft_data/sft-<hash>/{train,heldout}.arrow` (+ heldout.jsonl)."""
     examples = sft_examples(cfg)
     config = {
@@ -209,7 +209,7 @@ def run_sft_data(cfg: SFTConfig, tok: TokenizerRef, seq_len: int, root: str | Pa
 
 
 def _encode_sft(
-    cfg: SFTConfig, tok: TokenizerRef, seq_len: int, examples: list[Messages], out: Path
+    cfg: SFTDataConfig, tok: TokenizerRef, seq_len: int, examples: list[Messages], out: Path
 ) -> SFTManifest:
     tokenizer = tok.load()
     splits: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "heldout": []}

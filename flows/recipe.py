@@ -275,7 +275,9 @@ def merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """`top` over `base`, nested mappings merged key by key."""
     out = dict(base)
     for key, value in top.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = (
+            merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
     return out
 
 

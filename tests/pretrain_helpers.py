@@ -104,9 +104,9 @@ def losses(run_dir: Path) -> dict[int, float]:
 # the pretraining run's key, so one pretrained smoke model serves the pretraining, SFT and evaluation tests.
 SMOKE_SETTINGS = [
     "data.sft.max_examples=300",
-    "finetune.train.max_steps=24",
-    "finetune.train.eval_every=24",
-    "finetune.optim.lr=1e-2",
+    "sft.train.max_steps=24",
+    "sft.train.eval_every=24",
+    "sft.optim.lr=1e-2",
     "eval.max_documents=20",
     "eval.builtin_questions=20",
 ]

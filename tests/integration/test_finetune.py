@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_pipeline.config import DataConfig, SFTConfig, TokenizerConfig
+from data_pipeline.config import DataConfig, SFTDataConfig, TokenizerConfig
 from data_pipeline.sft import run_sft_data
 from data_pipeline.sources import DataError
 from data_pipeline.tokenize import run_tokenize
@@ -103,7 +103,7 @@ def test_base_weights_stay_frozen(base: tuple[TrainedModel, Path], lora_run: Tra
 
 def test_full_sft(base: tuple[TrainedModel, Path]) -> None:
     ref, out = base
-    full = finetune(out, ref, "finetune.method=full", "finetune.optim.lr=1e-3")
+    full = finetune(out, ref, "sft.method=full", "sft.optim.lr=1e-3")
     assert full.adapter is None and full.export_valid
     assert full.summary["sft/heldout_loss_after"] < full.summary["sft/heldout_loss_before"]
 
@@ -112,7 +112,7 @@ def test_sft_data_from_another_tokenizer_is_refused(base: tuple[TrainedModel, Pa
     ref, out = base
     other_cfg = DataConfig(max_documents=20, num_workers=1, tokenizer=TokenizerConfig(vocab_size=300))
     other = run_tokenize(other_cfg, tmp_path)
-    data = run_sft_data(SFTConfig(max_examples=100), describe(Path(other.tokenizer.path)), 128, tmp_path)
+    data = run_sft_data(SFTDataConfig(max_examples=100), describe(Path(other.tokenizer.path)), 128, tmp_path)
     recipe = load_recipe("smoke", smoke_overrides(out, *SMOKE_SETTINGS))
     with pytest.raises(DataError) as info:
         run_sft(recipe.sft_spec(), ref, data)
@@ -171,10 +171,10 @@ def test_lora_resume_after_sigkill_restores_the_dropout_rng(
     ref, _ = base
     extra = [
         *SMOKE_SETTINGS,
-        "finetune.lora.dropout=0.2",
-        "finetune.train.max_steps=16",
-        "finetune.train.checkpoint_every=4",
-        "finetune.train.eval_every=8",
+        "sft.lora.dropout=0.2",
+        "sft.train.max_steps=16",
+        "sft.train.checkpoint_every=4",
+        "sft.train.eval_every=8",
     ]
 
     def args(out: Path) -> list[str]:

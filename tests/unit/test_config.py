@@ -182,7 +182,7 @@ def test_an_override_that_is_not_yaml_is_one_line_naming_the_fix() -> None:
 def test_muon_with_clipping_under_zero_is_refused():
     message = bad(["optim.name=muon", "parallel.zero_stage=1"])
     assert "clips Muon's orthogonalised update" in message and "optim.grad_clip=0" in message
-    assert "finetune.optim.grad_clip=0" in bad(["finetune.optim.name=muon", "parallel.zero_stage=2"])
+    assert "sft.optim.grad_clip=0" in bad(["sft.optim.name=muon", "parallel.zero_stage=2"])
     load_recipe("smoke", ["optim.name=muon", "optim.grad_clip=0", "parallel.zero_stage=1"])
     load_recipe("smoke", ["optim.name=muon", "parallel.zero_stage=0"])  # ZeRO-0: clipping precedes Muon
 
@@ -191,8 +191,8 @@ def test_muon_with_clipping_under_zero_is_refused():
 def test_matrix_optimisers_under_zero_are_refused(name: str) -> None:
     message = bad([f"optim.name={name}", "parallel.zero_stage=2"])
     assert "flat 1-D partitions" in message and "parallel.zero_stage=0" in message
-    finetune = bad([f"finetune.optim.name={name}", "parallel.zero_stage=1"])
-    assert finetune.startswith("finetune.optim.name=") or "finetune.optim.name=" in finetune
+    finetune = bad([f"sft.optim.name={name}", "parallel.zero_stage=1"])
+    assert finetune.startswith("sft.optim.name=") or "sft.optim.name=" in finetune
 
 
 def test_matrix_settings_need_a_matrix_optimiser_and_kfac_refuses_fp16() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_pipeline.config import SFTConfig
+from data_pipeline.config import SFTDataConfig
 from data_pipeline.sft import (
     IGNORE_INDEX,
     SFTLoader,
@@ -98,7 +98,7 @@ def test_long_examples_are_dropped_or_truncated_and_counted(
     tok: TokenizerRef, tmp_path: Path, overflow: str
 ) -> None:
     source = write_jsonl(tmp_path / "sft.jsonl", 60, long_every=5)
-    cfg = SFTConfig(source=str(source), heldout_fraction=0.2, overflow=overflow)
+    cfg = SFTDataConfig(source=str(source), heldout_fraction=0.2, overflow=overflow)
     manifest = run_sft_data(cfg, tok, seq_len=64, root=tmp_path / "out")
     counted = manifest.counts["dropped_too_long" if overflow == "drop" else "truncated"]
     assert counted == 12
@@ -107,7 +107,7 @@ def test_long_examples_are_dropped_or_truncated_and_counted(
 
 
 def test_loader_targets_only_assistant_tokens(tok: TokenizerRef, tmp_path: Path) -> None:
-    cfg = SFTConfig(source=str(write_jsonl(tmp_path / "sft.jsonl", 40)), heldout_fraction=0.2)
+    cfg = SFTDataConfig(source=str(write_jsonl(tmp_path / "sft.jsonl", 40)), heldout_fraction=0.2)
     manifest = run_sft_data(cfg, tok, seq_len=64, root=tmp_path / "out")
     data = SFTLoader(manifest, batch_size=4, tokenizer_digest=tok.digest)
     batch = data.next_batch()
@@ -122,7 +122,7 @@ def test_loader_targets_only_assistant_tokens(tok: TokenizerRef, tmp_path: Path)
 
 
 def test_sft_data_from_another_tokenizer_is_refused(tok: TokenizerRef, tmp_path: Path) -> None:
-    cfg = SFTConfig(source=str(write_jsonl(tmp_path / "sft.jsonl", 20)), heldout_fraction=0.3)
+    cfg = SFTDataConfig(source=str(write_jsonl(tmp_path / "sft.jsonl", 20)), heldout_fraction=0.3)
     manifest = run_sft_data(cfg, tok, seq_len=64, root=tmp_path / "out")
     with pytest.raises(DataError, match=tok.digest[:16]):
         SFTLoader(manifest, batch_size=2, tokenizer_digest="0" * 64)
@@ -132,4 +132,4 @@ def test_jsonl_errors_name_the_line(tok: TokenizerRef, tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a", "response": "b"}\n{"messages": [{"role": "user", "content": "x"}]}\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:2: no assistant turn"):
-        run_sft_data(SFTConfig(source=str(path)), tok, seq_len=64, root=tmp_path)
+        run_sft_data(SFTDataConfig(source=str(path)), tok, seq_len=64, root=tmp_path)

@@ -86,8 +86,8 @@ def test_loading_a_missing_or_unfinished_run_says_which(tmp_path: Path) -> None:
         ("train.max_steps=30", {"pretrain"}),  # SFT follows through the base's digest, not its own key
         ("optim.lr=1e-3", {"pretrain"}),
         ("model.n_layers=3", {"pretrain"}),  # SFT gets the model from its base (by digest)
-        ("finetune.optim.lr=1e-3", {"sft"}),
-        ("finetune.lora.r=8", {"sft"}),
+        ("sft.optim.lr=1e-3", {"sft"}),
+        ("sft.lora.r=8", {"sft"}),
         ("eval.max_documents=7", set()),  # evaluation and other sections never re-key training
         ("parallel.threads_per_worker=1", set()),  # nor settings that cannot change the weights
         ("parallel.max_failures=3", set()),
