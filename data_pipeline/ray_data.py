@@ -17,21 +17,18 @@ import numpy as np
 
 from data_pipeline.config import DataConfig
 from data_pipeline.sources import Corpus, ReadStats
+from data_pipeline.tokenizer import corpus_tokenizer, encode_texts
 
 
 class _ReadAndEncode:
     """A Ray Data actor: the corpus (resolved once) and the tokenizer, reading and encoding one file per row."""
 
     def __init__(self, cfg: dict[str, object], tokenizer_path: str, eos_id: int, dtype: str) -> None:
-        from data_pipeline.tokenize import corpus_tokenizer
-
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one CPU per actor; the pool is the parallelism
         self.corpus = Corpus(DataConfig.model_validate(cfg))
         self.tokenizer, self.eos_id, self.dtype = corpus_tokenizer(tokenizer_path), eos_id, dtype
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from data_pipeline.tokenize import encode_texts
-
         payloads = []
         for source, file in zip(batch["source"], batch["file"], strict=True):
             documents, stats = self.corpus.read_file(int(source), int(file))

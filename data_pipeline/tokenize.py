@@ -33,7 +33,7 @@ from data_pipeline.shards import (
     token_dtype,
 )
 from data_pipeline.sources import Corpus, DataError, ReadStats, split_of
-from data_pipeline.tokenizer import MAX_PIECE_CHARS, TokenizerRef, pieces, run_train_tokenizer
+from data_pipeline.tokenizer import TokenizerRef, corpus_tokenizer, encode_texts, run_train_tokenizer
 from infra.steps import Step, run_step
 from infra.storage import remove_partial_files
 
@@ -53,24 +53,6 @@ class Chunk:
     indices: list[int]  # positions in the corpus stream
     splits: list[str]
     texts: list[str]
-
-
-def corpus_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer for raw text: special-token strings inside documents are encoded as plain text."""
-    tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-    tokenizer.encode_special_tokens = True
-    return tokenizer
-
-
-def encode_texts(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: str) -> list[np.ndarray]:
-    """Token ids of each text followed by end-of-text (a very long text is encoded piece by piece)."""
-    if all(len(text) <= MAX_PIECE_CHARS for text in texts):
-        return [np.array([*e.ids, eos_id], dtype=dtype) for e in tokenizer.encode_batch(texts)]
-    out = []
-    for text in texts:
-        ids = [np.array(e.ids, dtype=dtype) for e in tokenizer.encode_batch(pieces(text))]
-        out.append(np.concatenate([*ids, np.array([eos_id], dtype=dtype)]))
-    return out
 
 
 _worker: tuple[Tokenizer, int, str] | None = None
@@ -165,7 +147,7 @@ def _encoded(
         for chunk, arrays in encode_chunks(chunks, tok, dtype, cfg.num_workers):
             yield list(zip(chunk.indices, chunk.splits, arrays, strict=True))
         return
-    from data_pipeline.ray_data import encode_files
+    from data_pipeline.ray_data import encode_files  # deferred: Ray loads only for data.backend=ray
 
     corpus.stats = ReadStats()
     index = 0

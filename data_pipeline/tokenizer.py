@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from data_pipeline.config import EOS, PAD, SPECIAL_TOKENS, TokenizerConfig
@@ -159,3 +160,21 @@ def _train(cfg: TokenizerConfig, corpus: Corpus, out: Path) -> TokenizerManifest
         raise DataError(f"no text to train the tokenizer on ({corpus.stats.as_dict()}); check data.sources")
     save_tokenizer(tokenizer, out)  # overwrites what an interrupted attempt left; the manifest comes last
     return TokenizerManifest(path=str(out.resolve()), tokenizer=asdict(describe(out)))
+
+
+def corpus_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer for raw text: special-token strings inside documents are encoded as plain text."""
+    tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+def encode_texts(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: str) -> list[np.ndarray]:
+    """Token ids of each text followed by end-of-text (a very long text is encoded piece by piece)."""
+    if all(len(text) <= MAX_PIECE_CHARS for text in texts):
+        return [np.array([*e.ids, eos_id], dtype=dtype) for e in tokenizer.encode_batch(texts)]
+    out = []
+    for text in texts:
+        ids = [np.array(e.ids, dtype=dtype) for e in tokenizer.encode_batch(pieces(text))]
+        out.append(np.concatenate([*ids, np.array([eos_id], dtype=dtype)]))
+    return out

@@ -12,6 +12,10 @@ DEFAULT_PROMPTS = ("def ", "import os\n", "class ", '    """Return ')
 LOWER_IS_BETTER = ("loss", "bits_per_byte", "perplexity", "response_loss")
 
 
+LOSS = "heldout/all/loss"  # the held-out metrics the frontier and the gates compare
+BPB = "heldout/all/bits_per_byte"
+
+
 class Gate(BaseModel):
     """A registry gate: the candidate may be worse than its base on `metric` by at most `tolerance` (relative to
     the base's value); with `improve`, it must be strictly better. Lower is better for losses, bits per byte and

@@ -17,7 +17,7 @@ from typing import Any
 
 from data_pipeline.sources import Corpus
 from data_pipeline.tokenizer import describe
-from evaluation.config import LOWER_IS_BETTER, EvalConfig, FrontierSpec
+from evaluation.config import BPB, LOSS, LOWER_IS_BETTER, EvalConfig, FrontierSpec
 from evaluation.heldout import heldout_documents
 from evaluation.model_io import EvalModel
 from evaluation.report import build_tasks, evaluate_model
@@ -32,8 +32,6 @@ from training.stage import TrainedModel
 from training.variants import load_variant
 
 FRONTIER_VERSION = 1
-LOSS = "heldout/all/loss"
-BPB = "heldout/all/bits_per_byte"
 ROW_FIELDS = {  # what a frontier row repeats from the variant's record
     "name",
     "method",
@@ -162,7 +160,7 @@ def _frontier(
         )
         atomic_write_json(out / "frontier.json", frontier.model_dump(mode="json"))
         atomic_write_bytes(out / "frontier.md", markdown(frontier).encode())
-        from evaluation.frontier_plot import write_frontier_plot
+        from evaluation.frontier_plot import write_frontier_plot  # deferred: matplotlib
 
         tracker = parent.tracker()
         for path in (

@@ -11,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from evaluation.config import BPB  # noqa: E402
+
 MARKERS = {
     "int8-weight": "s",
     "int8-dynamic": "D",
@@ -24,8 +26,6 @@ MARKERS = {
 
 
 def write_frontier_plot(frontier: Any, path: Path) -> Path:
-    from evaluation.frontier import BPB
-
     reference, variants = frontier.rows[0], frontier.rows[1:]
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     ref_kb, ref_bpb = reference["disk_bytes"] / 1024, reference["metrics"][BPB]

@@ -335,26 +335,7 @@ def headline(fit: ScalingFit) -> str:
     lines.append(
         f"N counts {fit.param_count} parameters (matmul: every matrix multiply per token, head included)"
     )
-    rung = fit.rung
-    if rung is not None:
-        line = (
-            f"Rung N={rung.n:,.0f}, D={rung.d:,.0f}: predicted loss {rung.loss:.4f} "
-            f"[{rung.interval[0]:.4f}, {rung.interval[1]:.4f}]"
-        )
-        if rung.measured_loss is not None:
-            verdict = "held" if rung.held else "did not hold"
-            line += (
-                f", measured {rung.measured_loss:.4f} (error {rung.rel_error:.2%}: the prediction {verdict})"
-            )
-        lines.append(line)
-        if rung.task_loss is not None:
-            line = (
-                f"  HumanEval bits/byte predicted {rung.task_loss:.4f} "
-                f"[{rung.task_interval[0]:.4f}, {rung.task_interval[1]:.4f}]"
-            )
-            if rung.measured_task_loss is not None:
-                line += f", measured {rung.measured_task_loss:.4f} (error {rung.task_rel_error:.2%})"
-            lines.append(line)
+    lines += rung_lines(fit.rung)
     if fit.contamination:
         c = fit.contamination
         lines.append(
@@ -362,3 +343,23 @@ def headline(fit: ScalingFit) -> str:
             f"canonical solutions occur verbatim in the training shards {c['found'] or ''}"
         )
     return "\n".join(lines)
+
+
+def rung_lines(rung: Prediction | None) -> list[str]:
+    """The rung's predicted loss (and task loss) with its interval, and once trained its measurement."""
+    if rung is None:
+        return []
+    line = f"Rung N={rung.n:,.0f}, D={rung.d:,.0f}: predicted loss {rung.loss:.4f} [{rung.interval[0]:.4f}, {rung.interval[1]:.4f}]"
+    if rung.measured_loss is not None:
+        verdict = "held" if rung.held else "did not hold"
+        line += f", measured {rung.measured_loss:.4f} (error {rung.rel_error:.2%}: the prediction {verdict})"
+    lines = [line]
+    if rung.task_loss is not None:
+        line = (
+            f"  HumanEval bits/byte predicted {rung.task_loss:.4f} "
+            f"[{rung.task_interval[0]:.4f}, {rung.task_interval[1]:.4f}]"
+        )
+        if rung.measured_task_loss is not None:
+            line += f", measured {rung.measured_task_loss:.4f} (error {rung.task_rel_error:.2%})"
+        lines.append(line)
+    return lines

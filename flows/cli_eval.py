@@ -11,17 +11,19 @@ from flows.recipe import load_recipe
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from evaluation.gates import describe_gates
-    from flows.stages import evaluate, load_model, register
+    from evaluation.report import run_eval
+    from flows.registration import register_final
+    from flows.stages.runs import load_model
 
     recipe = load_recipe(args.recipe, args.set)
     refs = [load_model(run) for run in args.runs]
     names = args.names.split(",") if args.names else None
-    report = evaluate(recipe, refs, args.sft_heldout, names)
+    report = run_eval(recipe.eval_spec(), refs, names, sft_heldout=args.sft_heldout)
     print((Path(report.path) / "report.md").read_text().split("\n## Models")[0])
     print(f"report    {report.path}/report.md (mlflow run {report.mlflow_run_id})")
     if args.register:
         model_names = list(report.models)
-        version = register(recipe, refs[-1], report, model_names[0] if len(model_names) > 1 else None)
+        version = register_final(recipe, refs[-1], report, model_names[0] if len(model_names) > 1 else None)
         print(
             f"registered {version.name} v{version.version}; gates {describe_gates(version.gates, version.skipped)}; "
             f"alias {version.alias or '(not set: a gate failed)'}"

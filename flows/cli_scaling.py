@@ -1,4 +1,5 @@
-"""`lmforge sweep` and `lmforge fit-scaling`: the scaling-law commands."""
+"""`lmforge fit-scaling` and `lmforge compare`: scaling-law tools over any results table and over two ladders
+(the sweep, fit and rung stages have their generated commands)."""
 
 from __future__ import annotations
 
@@ -9,40 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from flows.recipe import load_recipe
-
-
-def cmd_sweep(args: argparse.Namespace) -> int:
-    """Tokenize (cached), run the recipe's sweep as Ray Tune trials with live progress, then fit the results."""
-    from evaluation.scaling_report import headline
-    from flows.cli import bar_runner
-    from flows.scaling import fit_dir, target_budget
-    from flows.stages import fit, swept, tokens
-    from training.sweep import plan_trials
-
-    recipe = load_recipe(args.recipe, args.set)
-    _, skipped = plan_trials(recipe.sweep_spec())
-    for line in skipped:
-        print(f"left out: {line}", file=sys.stderr)
-    with bar_runner() as run:
-        result = swept(recipe, run)
-    print(f"results   {result.results} ({result.n_completed} completed, {result.n_stopped} stopped early)")
-    if result.overhead:
-        print(
-            f"overhead  Tune wall {result.wall_seconds:.1f} s / trials {result.trial_seconds:.1f} s = {result.overhead:.3f}"
-        )
-    print(f"mlflow    run {result.mlflow_run_id}")
-    print(
-        f"points    {result.n_points} (N, D) points from {result.n_completed} runs; points per FLOP "
-        f"{result.points_per_flop_gain:.2f}x a one-run-per-point design"
-    )
-    for warning in result.warnings:
-        print(f"warning   {warning}", file=sys.stderr)
-    if result.n_points >= 6 and not args.no_fit:
-        with bar_runner() as run:
-            law = fit(recipe, result, run("tokenize", tokens, recipe))
-        print(headline(law))
-        print(f"fit       {fit_dir(result, target_budget(recipe))}")
-    return 0
 
 
 def cmd_fit_scaling(args: argparse.Namespace) -> int:
@@ -62,7 +29,7 @@ def cmd_fit_scaling(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Sweep two variants' ladders (cached), fit a law to each, print the compute multiplier with its interval."""
-    from flows.cli import bar_runner
+    from flows.cli_progress import bar_runner
     from flows.compare import run_compare
 
     a = load_recipe(args.recipe_a, [*args.set, *args.set_a])
@@ -89,14 +56,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def add_scaling_commands(commands: Any, add_set_argument: Any) -> None:
-    sweep = commands.add_parser(
-        "sweep", help="scaling sweep: Ray Tune trials over (budget, size), then the fit"
-    )
-    sweep.add_argument("recipe", help="recipe path or name in configs/ (its sweep: section)")
-    sweep.add_argument("--no-fit", action="store_true", help="only run the trials")
-    add_set_argument(sweep)
-    sweep.set_defaults(handler=cmd_sweep)
-
     fit = commands.add_parser("fit-scaling", help="fit L(N, D) = E + A/N^alpha + B/D^beta to a results table")
     fit.add_argument(
         "table", help="results.parquet from `lmforge sweep`, or any CSV/Parquet with N, D (or C), loss"

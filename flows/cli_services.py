@@ -49,27 +49,19 @@ def _drain_prefect_logs() -> None:
 def pipeline_params(args: argparse.Namespace) -> Any:
     """The pipeline flow's parameters from `lmforge pipeline` flags (validated: the recipe loads). Imports
     Prefect: call it once the Prefect API is chosen."""
-    from flows.pipeline import PipelineParams
+    from flows.pipeline import pipeline_params as params
+    from flows.registry import toggles
 
-    return PipelineParams(
-        recipe=args.recipe,
-        overrides=args.set,
-        size=args.size,
-        budget=args.budget,
-        finetune=not args.no_finetune,
-        dpo=args.dpo,
-        distill=args.distill,
-        compress=args.compress,
-        register_model=not args.no_register,
-    )
+    switches = {name: getattr(args, name) for name in toggles()}
+    return params()(recipe=args.recipe, overrides=args.set, size=args.size, budget=args.budget, **switches)
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
     from flows.recipe import load_recipe
-    from flows.stages import PipelineOptions, check_pipeline
+    from flows.registry import pipeline_stages, preflight, toggles
 
     recipe = load_recipe(args.recipe, args.set)  # refuse bad input before starting anything
-    check_pipeline(recipe, PipelineOptions(compress=args.compress, register_model=not args.no_register))
+    preflight(recipe, pipeline_stages({name: getattr(args, name) for name in toggles()}, args.size))
     state = Path(recipe.output_dir) / "services"
     with prefect_api(state):  # Prefect reads its settings once, at import: import it inside
         from flows.pipeline import pipeline
@@ -107,32 +99,13 @@ def print_review(recipe: Any, state: Path) -> None:
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    if "scaling" in summary:
-        print("\nScaling law (sweep → fit → rung):\n" + summary["scaling"])
-        print(f"Chosen size: {summary['chosen']}")
-    if "eval" in summary:
-        print("\nEvaluation (last model; full table in " + summary["report"] + "):")
-        for metric, values in summary["eval"].items():
-            print(f"  {metric:<32} " + "   ".join(f"{name} {value:.4f}" for name, value in values.items()))
-    if "registered" in summary:
-        from evaluation.gates import describe_gates
-
-        reg = summary["registered"]
-        print(
-            f"\nRegistered: {reg['name']} v{reg['version']} (alias: {reg['alias'] or 'not set, a gate failed'})"
-        )
-        print(f"  gates: {describe_gates(reg['gates'], reg['skipped'])}")
-    if "compress" in summary:
-        print("\nCompression (size ratio, held-out bits/byte change):")
-        for name, value in summary["compress"].items():
-            print(f"  {name:<26} {value}")
-        if "registered_compressed" in summary:
-            reg = summary["registered_compressed"]
-            print(f"  registered {reg['name']} v{reg['version']} (alias: {reg['alias']})")
+    """Each stage's report in DAG order, the outputs, the stage times."""
+    for report in summary["reports"].values():
+        print(f"\n{report}")
     if summary.get("outputs"):
         print("\nOutputs:")
         for what, where in summary["outputs"].items():
-            print(f"  {what:<18} {where}")
+            print(f"  {what:<20} {where}")
     seconds = summary["stage_seconds"]
     print(
         "\nStage times: "
@@ -236,7 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_service_commands(commands: Any, add_set_argument: Any) -> None:
     pipe = commands.add_parser(
-        "pipeline", help="the whole DAG: tokenize, sweep, fit, pretrain, SFT, evaluate, register"
+        "pipeline", help="the whole DAG: tokenize, sweep, fit, pretrain, rung, SFT, evaluate, register"
     )
     pipe.add_argument("recipe", help="recipe path or name in configs/")
     pipe.add_argument(
@@ -250,21 +223,13 @@ def add_service_commands(commands: Any, add_set_argument: Any) -> None:
         type=float,
         help="compute budget in FLOPs for the final model (default: sweep.target_budget)",
     )
-    pipe.add_argument("--no-finetune", action="store_true")
-    pipe.add_argument(
-        "--dpo", action="store_true", help="preference-tune the fine-tuned model (the recipe's dpo:)"
-    )
-    pipe.add_argument(
-        "--distill",
-        action="store_true",
-        help="distil the pretrained model into a student (the recipe's distill:)",
-    )
-    pipe.add_argument(
-        "--compress",
-        action="store_true",
-        help="compress the final model (the recipe's compress:) and measure the size-quality frontier",
-    )
-    pipe.add_argument("--no-register", action="store_true")
+    from flows.registry import toggles
+
+    for name, toggle in toggles().items():  # one switch per optional stage
+        action = "store_false" if toggle.default else "store_true"
+        pipe.add_argument(
+            toggle.cli_flag, dest=name, action=action, help=f"{toggle.title}: {toggle.description}"
+        )
     add_set_argument(pipe)
     pipe.set_defaults(handler=cmd_pipeline)
 

@@ -2,16 +2,13 @@
 overrides), one scaling law each, and the compute multiplier between them (`evaluation/compute_multiplier.py`).
 
 Both sweeps are the ordinary cached sweep stage, so a variant already swept (the pipeline's own ladder, say) is
-reused. The comparison lives in `<A's output_dir>/compare/<A>-vs-<B>-<digest>/` (digest of both sweeps and the
-reference budget): comparison.json (written last: a directory without it is unfinished), comparison.md and
-compare.png, logged to an MLflow run `compare-<A>-vs-<B>`.
+reused. The comparison is a cached step in `<A's output_dir>/compare/<A>-vs-<B>-<hash>/` (keyed by both sweeps'
+digests, the reference budget and the names; local or on object storage like every stage): comparison.json,
+comparison.md and compare.png, logged to an MLflow run `compare-<A>-vs-<B>`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +18,12 @@ from evaluation.scaling_data import ScalingPoints
 from flows.recipe import ConfigError, Recipe
 from flows.runner import Runner
 from flows.scaling import sweep_points
-from flows.stages import swept
+from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json
 from infra.tracking import tracked_run
 
 RESULT = "comparison.json"
+COMPARE_VERSION = 1
 
 
 def check_comparable(a: Recipe, b: Recipe, names: tuple[str, str]) -> None:
@@ -52,6 +50,12 @@ def reference_budget(a: Recipe, b: Recipe, budget: float | None) -> float:
     return budget or float(min(max(a.sweep.budgets), max(b.sweep.budgets)))
 
 
+class Compared(Artifact):
+    """A finished comparison: `summary` is comparison.json (the multiplier, its interval, both laws)."""
+
+    summary: dict[str, Any]
+
+
 def run_compare(
     a: Recipe,
     b: Recipe,
@@ -60,19 +64,31 @@ def run_compare(
     budget: float | None = None,
     n_bootstrap: int = 1000,
 ) -> dict[str, Any]:
-    """Sweep both (cached), fit both, and write/return the comparison (cached by both sweeps and the budget)."""
+    """Sweep both (cached), fit both, and write/return the comparison: a cached step of its own in A's output
+    directory (local or object storage), keyed by both sweeps' digests, the budget and the names."""
+    from flows.registry import resolve
+
     check_comparable(a, b, names)
-    results = [swept(recipe, run) for recipe in (a, b)]
+    results = [resolve("sweep", recipe, run).done["sweep"] for recipe in (a, b)]
     c_ref = reference_budget(a, b, budget)
-    digest = hashlib.sha256(
-        json.dumps([r.sweep_dir for r in results] + [c_ref, n_bootstrap]).encode()
-    ).hexdigest()
-    out = Path(a.output_dir) / "compare" / f"{names[0]}-vs-{names[1]}-{digest[:12]}"
-    if (out / RESULT).is_file():
-        return json.loads((out / RESULT).read_text())
-    points = (sweep_points(results[0].results), sweep_points(results[1].results))
-    sweeps = {name: r.results for name, r in zip(names, results, strict=True)}
-    return run("fit both", write_comparison, points, names, c_ref, n_bootstrap, out, a, sweeps)
+    config = {"c_ref": c_ref, "n_bootstrap": n_bootstrap, "names": list(names)}
+    step = Step(
+        "compare",
+        f"{names[0]}-vs-{names[1]}",
+        COMPARE_VERSION,
+        config,
+        Compared,
+        {"a": results[0], "b": results[1]},
+    )
+
+    def build(out: Path, key: str) -> Compared:
+        points = (sweep_points(results[0].results), sweep_points(results[1].results))
+        sweeps = {name: r.results for name, r in zip(names, results, strict=True)}
+        summary = write_comparison(points, names, c_ref, n_bootstrap, out, a, sweeps)
+        return Compared(path=str(out), summary=summary)
+
+    done = run_step(a.output_dir, step, build)
+    return done.summary | {"path": done.path}
 
 
 def write_comparison(
@@ -84,12 +100,10 @@ def write_comparison(
     recipe: Recipe,
     sweeps: dict[str, str],
 ) -> dict[str, Any]:
-    """Fit both ladders, write comparison.md, compare.png and (last) comparison.json into `out`, log them to an
-    MLflow run in `recipe`'s tracking store; returns the summary."""
+    """Fit both ladders, write comparison.md, compare.png and comparison.json into `out`, log them to an MLflow
+    run in `recipe`'s tracking store; returns the summary."""
     comparison = compare_points(*points, c_ref, n_bootstrap)
-    staging = out.with_name(out.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     summary = {
         "a": names[0],
         "b": names[1],
@@ -99,8 +113,8 @@ def write_comparison(
         "warnings": fit_warnings(comparison, names),
         "path": str(out),
     }
-    compare_plot(comparison, points, names, staging / "compare.png")
-    (staging / "comparison.md").write_text(markdown(summary))
+    compare_plot(comparison, points, names, out / "compare.png")
+    (out / "comparison.md").write_text(markdown(summary))
     tags = {"lmforge.stage": "compare", "lmforge.config_digest": out.name.rsplit("-", 1)[-1]}
     with tracked_run(
         recipe.tracking, recipe.output_dir, f"compare-{names[0]}-vs-{names[1]}", tags
@@ -112,12 +126,9 @@ def write_comparison(
             {"multiplier": comparison.multiplier, "multiplier_low": low, "multiplier_high": high}, 0
         )
         for name in ("compare.png", "comparison.md"):
-            tracker.log_artifact(staging / name, "compare")
+            tracker.log_artifact(out / name, "compare")
         summary["mlflow_run_id"] = tracked.run_id
-    atomic_write_json(staging / RESULT, summary)
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    atomic_write_json(out / RESULT, summary)
     return summary
 
 

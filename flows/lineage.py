@@ -73,9 +73,8 @@ def finish_parent(run: TrackedRun, status: str, summary: dict[str, Any]) -> None
         if "orchestration_overhead" in summary:
             numbers["pipeline/orchestration_overhead"] = summary["orchestration_overhead"]
         run.tracker().log_metrics(numbers, step=0)
-        if "registered" in summary:
-            registered = summary["registered"]
-            run.set_tags({"lmforge.registered": f"{registered['name']}/{registered['version']}"})
+        if registered := summary.get("stages", {}).get("register"):
+            run.set_tags({"lmforge.registered": f"{registered['model']}/{registered['version']}"})
     run.finish(status)
 
 
@@ -89,8 +88,9 @@ def record_stage(
     tags: dict[str, str] | None = None,
 ) -> str | None:
     """A run of its own, nested under the pipeline's, for a stage that trains nothing (tokenize, fit, register),
-    so the lineage shows every stage with its config digest, git revision, numbers and files."""
-    if not recipe.tracking.enabled:
+    so the lineage shows every stage with its config digest, git revision, numbers and files. Outside a pipeline
+    (a stage's own command) the stage's own runs are its record: nothing is added."""
+    if not recipe.tracking.enabled or recipe.tracking.parent_run_id is None:
         return None
     run_tags = {"lmforge.stage": stage, "lmforge.config_digest": digest, **(tags or {})}
     run = open_run(recipe.tracking, recipe.output_dir, f"{stage}-{recipe.name}", run_tags)

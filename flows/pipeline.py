@@ -1,6 +1,7 @@
-"""The Prefect flows: `pipeline` (tokenize → sweep → fit → pretrain at the compute-optimal size → SFT/LoRA →
-[DPO, distillation] → evaluate → register → [compress → frontier → register the smallest good variant]) and one flow per stage. The DAG itself lives in `flows/stages.py`; here each stage call
-becomes a Prefect task (retries on transient errors), and every stage publishes a markdown artifact.
+"""The Prefect flows, generated from the stage registry: `pipeline` (every enabled stage of the DAG, each a Prefect
+task with retries on transient errors, each publishing a markdown artifact) and one flow per stage (`sft_flow`,
+`dpo_flow`, ...; each also a deployment), plus `compare`. A stage declared in the registry gets its flow, its
+deployment and its pipeline switch (a field of the UI form) from its declaration alone.
 
 MLflow: one parent run per pipeline run, every stage nested under it (sweep trials under the sweep), tagged
 with the Prefect flow-run id.
@@ -9,20 +10,19 @@ with the Prefect flow-run id.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from prefect import flow, task
+from prefect import Flow, flow, task
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from flows import stages
+from flows import registry
 from flows.recipe import Recipe, load_recipe
 from flows.runner import Direct
+from flows.stage_def import Inputs, StageDef
 from flows.stage_report import publish
 
-T = TypeVar("T")
 TRANSIENT = (ConnectionError, TimeoutError, OSError)
 
 
@@ -40,16 +40,16 @@ def transient(task_: Any, task_run: Any, state: Any) -> bool:
 class PrefectRunner(Direct):
     """Each stage call is a Prefect task run (progress prints into the flow's log); headlines become artifacts."""
 
-    def __call__(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def call(self, stage: StageDef[Any], recipe: Recipe, inputs: Inputs) -> Any:
         wrapped = task(
-            fn,
-            name=name,
+            Direct.call,
+            name=stage.name,
             retries=2,
             retry_delay_seconds=[5, 30],
             retry_condition_fn=transient,
             cache_policy=NO_CACHE,
         )
-        return wrapped(*args, **kwargs)
+        return wrapped(self, stage, recipe, inputs)
 
     def publish(self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None) -> None:
         publish(stage, recipe, numbers, run_id)
@@ -67,14 +67,16 @@ class RecipeParams(BaseModel):
 
     @model_validator(mode="after")
     def _loads(self) -> RecipeParams:
-        load_recipe(self.recipe, self.overrides)  # raises ConfigError (a ValueError) naming the field
+        self.load()  # raises ConfigError (a ValueError) naming the field
         return self
 
     def load(self) -> Recipe:
         return load_recipe(self.recipe, self.overrides)
 
 
-class PipelineParams(RecipeParams):
+class PipelineBase(RecipeParams):
+    """The pipeline's own parameters; `pipeline_params()` adds one switch per optional stage."""
+
     size: Literal["fit", "recipe"] = Field(
         "fit",
         title="Model size",
@@ -83,48 +85,45 @@ class PipelineParams(RecipeParams):
     budget: float | None = Field(
         None, gt=0, title="Compute budget (FLOPs)", description="default: sweep.target_budget"
     )
-    finetune: bool = Field(True, title="Fine-tune", description="run SFT (finetune.method: lora or full)")
-    dpo: bool = Field(
-        False,
-        title="Preference-tune (DPO)",
-        description="DPO on preference pairs after fine-tuning (dpo.loss: sigmoid, ipo, hinge, sigmoid_norm); "
-        "the registry then gates the DPO model against the fine-tuned one",
-    )
-    distill: bool = Field(
-        False,
-        title="Distil a student",
-        description="distil the pretrained model into a smaller student (distill.student) and train the same "
-        "student from scratch on the same tokens, side by side in the report",
-    )
-    compress: bool = Field(
-        False,
-        title="Compress",
-        description="quantize (torchao int8/int4, GPTQ), factorise and prune the final model (compress.variants), "
-        "evaluate every variant and register the smallest within compress.tolerance under compress.alias",
-    )
-    register_model: bool = Field(
-        True, title="Register", description="log the final model to the MLflow registry"
-    )
 
     @model_validator(mode="after")
-    def _layout(self) -> PipelineParams:
-        stages.check_pipeline(self.load(), self.options())
+    def _stages_take_the_recipe(self) -> PipelineBase:
+        registry.preflight(self.load(), registry.pipeline_stages(self.switches(), self.size))
         return self
 
-    def options(self) -> stages.PipelineOptions:
-        return stages.PipelineOptions(
-            size=self.size,
-            budget=self.budget,
-            finetune=self.finetune,
-            dpo=self.dpo,
-            distill=self.distill,
-            compress=self.compress,
-            register_model=self.register_model,
-        )
+    def load(self) -> Recipe:
+        budget = [f"sweep.target_budget={self.budget}"] if self.budget else []
+        return load_recipe(self.recipe, [*self.overrides, *budget])
+
+    def switches(self) -> dict[str, bool]:
+        return {name: getattr(self, name) for name in registry.toggles()}
 
 
-@flow(name="pipeline", log_prints=True)
-def pipeline(params: PipelineParams) -> dict[str, Any]:
+def pipeline_params() -> type[PipelineBase]:
+    """The pipeline's parameter model (the Prefect UI form): recipe, size, budget, and each stage's switch."""
+    switches: Any = {
+        name: (bool, Field(t.default, title=t.title, description=t.description))
+        for name, t in registry.toggles().items()
+    }
+    return create_model("PipelineParams", __base__=PipelineBase, **switches)
+
+
+def stage_params(stage: StageDef[Any]) -> type[RecipeParams]:
+    """A stage flow's parameters: the recipe, plus the finished run it may be given (`base`, `teacher`, `runs`)."""
+    if stage.given is None:
+        return RecipeParams
+    given = stage.given
+    kind: Any = list[str] if given.many else str | None
+    default: Any = Field(
+        default_factory=list if given.many else lambda: None,
+        title=given.flag.capitalize(),
+        description=given.help,
+    )
+    camel = "".join(part.capitalize() for part in stage.name.split("_"))
+    return create_model(f"{camel}Params", __base__=RecipeParams, **{given.flag: (kind, default)})
+
+
+def run_pipeline(params: PipelineBase) -> dict[str, Any]:
     """Raw text to an evaluated, registered model: the whole DAG on one recipe."""
     from flows.lineage import finish_parent, log_dataset, nest_under, start_parent
 
@@ -132,10 +131,13 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
     recipe = params.load()
     parent = start_parent(recipe, params)
     recipe = nest_under(recipe, parent)
-    runner = PrefectRunner()
     try:
-        summary = stages.pipeline(
-            recipe, params.options(), runner, on_data=lambda data: log_dataset(recipe, parent, data)
+        summary = registry.pipeline(
+            recipe,
+            params.switches(),
+            params.size,
+            PrefectRunner(),
+            on_data=lambda data: log_dataset(recipe, parent, data),
         )
     except BaseException:
         finish_parent(parent, "FAILED", {})
@@ -150,39 +152,24 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
     return summary
 
 
-# ---- per-stage flows (each also a deployment) ----------------------------------------------------------
+def stage_flow(stage: StageDef[Any]) -> Flow[..., dict[str, Any]]:
+    """The stage's flow: the stage and what it needs, each a task; returns the stage's summary."""
+
+    def run(params: RecipeParams) -> dict[str, Any]:
+        value = getattr(params, stage.given.flag) if stage.given else None
+        given = {stage.given.role: stage.given.load(value)} if stage.given and value else {}
+        return registry.resolve(stage.name, params.load(), PrefectRunner(), given).summary()
+
+    return generated(run, f"{stage.name}_flow", stage.name, stage.help, stage_params(stage))
 
 
-class FinetuneParams(RecipeParams):
-    base: str | None = Field(
-        None, title="Base run", description="a pretraining run directory (default: this recipe's)"
-    )
-
-
-class DPOParams(RecipeParams):
-    base: str | None = Field(
-        None,
-        title="Base run",
-        description="a fine-tuned (or pretrained) run directory to start from and compare against (default: "
-        "this recipe's fine-tuned model)",
-    )
-
-
-class DistillParams(RecipeParams):
-    teacher: str | None = Field(
-        None,
-        title="Teacher",
-        description="an lmforge run directory or a Hugging Face export with the same tokenizer (default: this "
-        "recipe's pretrained model)",
-    )
-
-
-class CompressParams(RecipeParams):
-    base: str | None = Field(
-        None,
-        title="Model run",
-        description="a finished run directory to compress (default: this recipe's fine-tuned model)",
-    )
+def generated(fn: Any, attribute: str, name: str, doc: str, params: type[BaseModel]) -> Flow[..., Any]:
+    """A flow over `fn` with its parameter model set (the UI form), found as this module's `attribute` (its
+    deployment's entrypoint, `flows/pipeline.py:<attribute>`)."""
+    fn.__annotations__ = {"params": params, "return": dict[str, Any]}
+    fn.__name__ = fn.__qualname__ = attribute
+    fn.__doc__ = doc
+    return flow(fn, name=name, log_prints=True)
 
 
 class CompareParams(BaseModel):
@@ -202,62 +189,6 @@ class CompareParams(BaseModel):
     )
 
 
-class EvalParams(RecipeParams):
-    runs: list[str] = Field(
-        default_factory=list, title="Runs", description="finished run directories to compare"
-    )
-
-
-@flow(name="tokenize")
-def tokenize_flow(params: RecipeParams) -> str:
-    return PrefectRunner()("tokenize", stages.tokens, params.load()).path
-
-
-@flow(name="sweep")
-def sweep_flow(params: RecipeParams) -> str:
-    return stages.swept(params.load(), PrefectRunner()).results
-
-
-@flow(name="fit_scaling")
-def fit_scaling_flow(params: RecipeParams) -> dict[str, float]:
-    recipe, runner = params.load(), PrefectRunner()
-    data = runner("tokenize", stages.tokens, recipe)
-    return runner("fit", stages.fit, recipe, stages.swept(recipe, runner), data).law
-
-
-@flow(name="pretrain")
-def pretrain_flow(params: RecipeParams) -> str:
-    return stages.pretrained(params.load(), PrefectRunner()).path
-
-
-@flow(name="finetune")
-def finetune_flow(params: FinetuneParams) -> str:
-    base = stages.load_model(params.base) if params.base else None
-    return stages.finetuned(params.load(), PrefectRunner(), base)[0].path
-
-
-@flow(name="dpo")
-def dpo_flow(params: DPOParams) -> str:
-    base = stages.load_model(params.base) if params.base else None
-    return stages.preference_tuned(params.load(), PrefectRunner(), base)[0].path
-
-
-@flow(name="distill")
-def distill_flow(params: DistillParams) -> str:
-    teacher = stages.load_teacher(params.teacher) if params.teacher else None
-    return stages.distilled(params.load(), PrefectRunner(), teacher)[0].path
-
-
-@flow(name="compress")
-def compress_flow(params: CompressParams) -> str:
-    """Compressed variants of a model and their size-quality frontier (frontier.md, frontier.png)."""
-    base = stages.load_model(params.base) if params.base else None
-    recipe, runner = params.load(), PrefectRunner()
-    _, front = stages.compressed(recipe, runner, base)
-    runner.publish("compress", recipe, stages.frontier_headline(front), front.mlflow_run_id)
-    return str(Path(front.path) / "frontier.md")
-
-
 @flow(name="compare")
 def compare_flow(params: CompareParams) -> str:
     """The compute multiplier of variant A relative to B (comparison.md, compare.png)."""
@@ -267,23 +198,27 @@ def compare_flow(params: CompareParams) -> str:
     return str(Path(summary["path"]) / "comparison.md")
 
 
-@flow(name="evaluate")
-def evaluate_flow(params: EvalParams) -> str:
-    models = [stages.load_model(run) for run in params.runs]
-    report = PrefectRunner()("evaluate", stages.evaluate, params.load(), models)
-    return str(Path(report.path) / "report.md")
+def flows() -> dict[str, Flow[..., Any]]:
+    """Every flow by name: the pipeline, one per stage that has one, and compare (each a deployment)."""
+
+    def run(params: PipelineBase) -> dict[str, Any]:
+        return run_pipeline(params)
+
+    doc = "Raw text to an evaluated, registered model: the whole DAG on one recipe."
+    made = {"pipeline": generated(run, "pipeline", "pipeline", doc, pipeline_params())}
+    made |= {stage.name: stage_flow(stage) for stage in registry.STAGES.values() if stage.flow}
+    return made | {"compare": compare_flow}
 
 
-FLOWS = {
-    "pipeline": pipeline,
-    "tokenize": tokenize_flow,
-    "sweep": sweep_flow,
-    "fit_scaling": fit_scaling_flow,
-    "pretrain": pretrain_flow,
-    "finetune": finetune_flow,
-    "dpo": dpo_flow,
-    "distill": distill_flow,
-    "compress": compress_flow,
-    "compare": compare_flow,
-    "evaluate": evaluate_flow,
-}
+FLOWS = flows()
+PipelineParams = pipeline_params()
+pipeline = FLOWS["pipeline"]
+
+
+def __getattr__(name: str) -> Any:
+    """`<stage>_flow` for every stage's flow (the deployments' entrypoints, flows/pipeline.py:sft_flow), also for
+    a stage declared after this module was imported."""
+    found = flows()
+    if name.endswith("_flow") and name.removesuffix("_flow") in found:
+        return found[name.removesuffix("_flow")]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from evaluation.frontier import LOSS, Frontier
+from evaluation.config import LOSS
+from evaluation.frontier import Frontier
 from evaluation.gates import gate_results
 from evaluation.report import EvalReport
 from evaluation.scaling_report import ScalingFit

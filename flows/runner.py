@@ -1,45 +1,61 @@
 """How the DAG's stages are called: the `Runner` protocol and `Direct`, the plain in-process runner the Prefect
-and CLI runners specialise (a task per call and published artifacts; progress bars). Progress comes as training
-steps, sweep trials, or items of a list (compressed variants, evaluated models). Light to import: the CLI
-loads it before any heavy library.
+and CLI runners specialise (a task per call and published artifacts; progress bars). A runner times each stage,
+gives it the progress callback its unit asks for (training steps, sweep trials, or items of a list) and publishes
+its headline numbers with its MLflow link. Light to import: the CLI loads it before any heavy library.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from flows.recipe import Recipe
+    from flows.stage_def import Inputs, StageDef
 
-T = TypeVar("T")
 StepProgress = Callable[[int, float, float], None]  # (step, loss, tokens/s)
 TrialProgress = Callable[[int, int, dict[str, Any]], None]  # (finished, total, row)
 ItemProgress = Callable[[int, str], None]  # (items finished, the one now starting)
 
 
 class Runner(Protocol):
-    """How each stage is called and how its headline numbers are shown."""
+    """Calls a stage (cached, timed, with progress) and shows its headline numbers."""
 
-    def __call__(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T: ...
+    times: dict[str, float]  # seconds per stage called, in call order
 
-    def steps(self, name: str, total: int) -> StepProgress | None: ...
-
-    def trials(self, name: str) -> TrialProgress | None: ...
-
-    def items(self, name: str, total: int) -> ItemProgress | None: ...
-
-    def publish(
-        self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None
-    ) -> None: ...
+    def __call__(self, stage: StageDef[Any], recipe: Recipe, inputs: Inputs) -> Any: ...
 
 
 class Direct:
     """Call each stage in this process, print training progress at every tenth of a run and each finished sweep
     trial; publish nothing. The Prefect and CLI runners change what differs."""
 
-    def __call__(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return fn(*args, **kwargs)
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def __call__(self, stage: StageDef[Any], recipe: Recipe, inputs: Inputs) -> Any:
+        started = time.perf_counter()
+        artifact = self.call(stage, recipe, inputs)
+        self.times[stage.name] = time.perf_counter() - started
+        if stage.headline is not None:
+            run_id = getattr(artifact, "mlflow_run_id", None)
+            self.publish(stage.name, recipe, stage.headline(artifact), run_id)
+        return artifact
+
+    def call(self, stage: StageDef[Any], recipe: Recipe, inputs: Inputs) -> Any:
+        """Check the inputs (bad settings end in one line before any progress bar starts), then run."""
+        if stage.check is not None:
+            stage.check(recipe, inputs)
+        total = stage.total(recipe, inputs) if stage.total is not None else None
+        progress: Any = None
+        if stage.progress == "steps":
+            progress = self.steps(stage.name, total or 0)
+        elif stage.progress == "trials":
+            progress = self.trials(stage.name)
+        elif stage.progress == "items":
+            progress = self.items(stage.name, total)
+        return stage.run(recipe, inputs, progress)
 
     def steps(self, name: str, total: int) -> StepProgress | None:
         return every_tenth(total, name)
@@ -47,11 +63,11 @@ class Direct:
     def trials(self, name: str) -> TrialProgress | None:
         return print_trial
 
-    def items(self, name: str, total: int) -> ItemProgress | None:
+    def items(self, name: str, total: int | None) -> ItemProgress | None:
         def report(done: int, label: str) -> None:
-            print(f"{name} {done}/{total}: {label}")
+            print(f"{name} {done}/{total or '?'}: {label}")
 
-        return report
+        return report if total is not None else None
 
     def publish(self, stage: str, recipe: Recipe, numbers: dict[str, Any], run_id: str | None = None) -> None:
         pass

@@ -111,7 +111,7 @@ def smoke_base(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smoke_lora(smoke_base):
     """(SFT examples, LoRA fine-tune) of the session's smoke model."""
-    from flows.stages import sft_data
+    from flows.stages.sft import sft_data
     from training.finetune import run_sft
 
     recipe, base = smoke_base

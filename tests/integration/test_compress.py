@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_pipeline.sft import SFTManifest
+from flows.registry import resolve
 from flows.runner import Direct
-from flows.stages import compressed
 from tests.pretrain_helpers import SMOKE_SETTINGS, cli, smoke_overrides, with_sets
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -26,7 +27,8 @@ def compress_run(smoke_base, smoke_lora, tmp_path_factory):
     out = tmp_path_factory.mktemp("compress")
     recipe = recipe.override(*smoke_overrides(out, *SMOKE_SETTINGS))
     heldout = str(Path(examples.path) / "heldout.jsonl")
-    variants, front = compressed(recipe, Direct(), tuned, heldout)
+    made = resolve("compress", recipe, Direct(), {"base": tuned, "sft_data": examples})
+    variants, front = made.done["compress"], made.done["frontier"]
     return recipe, tuned, variants, front, heldout
 
 
@@ -63,10 +65,11 @@ def test_every_variant_is_on_the_frontier(compress_run) -> None:
     assert (
         calibration["sequences"] == 8 and calibration["seq_len"] == 128 and len(calibration["sha256"]) == 64
     )
-    again = compressed(
-        recipe, Direct(), tuned, heldout
-    )  # a rerun is a no-op: same directories, nothing rebuilt
-    assert again[0].path == variants.path and again[1].path == front.path
+    # a rerun is a no-op: same directories, nothing rebuilt
+    again = resolve(
+        "compress", recipe, Direct(), {"base": tuned, "sft_data": SFTManifest.load(Path(heldout).parent)}
+    ).done
+    assert again["compress"].path == variants.path and again["frontier"].path == front.path
 
 
 def test_mlflow_has_one_nested_run_per_variant(compress_run) -> None:

@@ -14,7 +14,7 @@ from data_pipeline.sources import DataError
 from data_pipeline.tokenize import run_tokenize
 from data_pipeline.tokenizer import describe
 from flows.recipe import load_recipe
-from flows.stages import sft_data
+from flows.stages.sft import sft_data
 from tests.pretrain_helpers import (
     SMOKE_SETTINGS,
     cli,

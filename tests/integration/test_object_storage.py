@@ -69,8 +69,10 @@ def straight(s3) -> Path:
 
 def test_pipeline_on_object_storage(s3, straight: Path) -> None:
     from data_pipeline.tokenize import run_tokenize
+    from evaluation.report import run_eval
     from flows.recipe import load_recipe
-    from flows.stages import evaluate, load_model, sft_data
+    from flows.stages.runs import load_model
+    from flows.stages.sft import sft_data
     from training.finetune import run_sft
     from training.pretrain import run_pretrain
 
@@ -91,7 +93,9 @@ def test_pipeline_on_object_storage(s3, straight: Path) -> None:
     )
     examples = sft_data(recipe, base)
     lora = run_sft(recipe.sft_spec(), base, examples)  # reads the shards through the digest-keyed cache
-    report = evaluate(recipe, [base, lora], str(Path(examples.path) / "heldout.jsonl"))
+    report = run_eval(
+        recipe.eval_spec(), [base, lora], sft_heldout=str(Path(examples.path) / "heldout.jsonl")
+    )
     store = open_store(uri)
     listing = store.listing()
     stages = [Path(a.path).parent.name for a in (data, base, examples, lora, report)]

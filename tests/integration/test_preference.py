@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from data_pipeline.sources import DataError
+from data_pipeline.tokenize import run_tokenize
+from flows.registry import resolve
 from flows.runner import Direct
-from flows.stages import distilled, dpo, preference_data, reference_logps, tokens
+from flows.stages.dpo import preference_data, reference_logps
 from tests.pretrain_helpers import (
     SMOKE_SETTINGS,
     cli,
@@ -50,7 +52,7 @@ def dpo_run(smoke_base, smoke_lora, tmp_path_factory):
     recipe = recipe.override(f"output_dir={tmp_path_factory.mktemp('dpo')}")
     pairs = preference_data(recipe, tuned)
     reference = reference_logps(recipe, tuned, pairs)
-    return recipe, tuned, pairs, reference, dpo(recipe, tuned, pairs, reference)
+    return recipe, tuned, pairs, reference, run_dpo(recipe.dpo_spec(), tuned, pairs, reference)
 
 
 def test_dpo_learns_the_heldout_preferences_and_logs_trls_metrics(dpo_run) -> None:
@@ -128,7 +130,8 @@ def test_dpo_bad_input_is_refused(dpo_run, smoke_base, tmp_path: Path) -> None:
 def distill_runs(smoke_base, tmp_path_factory):
     recipe, base = smoke_base
     recipe = recipe.override(f"output_dir={tmp_path_factory.mktemp('distill')}")
-    return recipe, base, *distilled(recipe, Quiet(), teacher_from_run(base))
+    made = resolve("distill", recipe, Quiet(), {"teacher": teacher_from_run(base)})
+    return recipe, base, made.done["distill"], made.done["student_baseline"]
 
 
 def test_distilled_student_and_its_from_scratch_twin(distill_runs) -> None:
@@ -155,7 +158,7 @@ def test_a_teacher_with_another_tokenizer_or_vocabulary_is_refused(distill_runs,
     with pytest.raises(DataError) as info:
         run_distill(spec, teacher_from_run(teacher), other)
     assert teacher.tokenizer_digest[:16] in str(info.value) and other.tokenizer.digest[:16] in str(info.value)
-    data = tokens(recipe)
+    data = run_tokenize(recipe.data, recipe.output_dir)
     wider = spec.model_copy(update={"model": spec.model.model_copy(update={"vocab_size": 640})})
     with pytest.raises(DataError, match="vocab_size=512, the student model.vocab_size=640"):
         run_distill(wider, teacher_from_run(teacher), data)

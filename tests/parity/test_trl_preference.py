@@ -17,7 +17,7 @@ from data_pipeline.loader import IGNORE_INDEX, Batch
 from data_pipeline.preference import Pair, PreferenceLoader, derive_pairs
 from data_pipeline.sft import render, sft_examples
 from data_pipeline.sources import split_of
-from flows.stages import preference_data, reference_logps
+from flows.stages.dpo import preference_data, reference_logps
 from training.config import PreferenceLoss
 from training.distill import DistillObjective, generalized_jsd
 from training.engine import PlainEngine

@@ -83,7 +83,7 @@ def test_tokenize_then_inspect(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     argv = ["tokenize", "smoke"] + [item for o in overrides for item in ("--set", o)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "train" in out and "tokens in" in out and "sft" in out
+    assert "train" in out and "tokens in" in out and "tokenizer " in out
     dataset = next((tmp_path / "tokenize").iterdir())
     assert main(["data", "inspect", str(dataset), "--samples", "1"]) == 0
     shown = capsys.readouterr().out

@@ -11,8 +11,8 @@ import pytest
 from data_pipeline.config import DataConfig, TokenizerConfig
 from data_pipeline.shards import DatasetManifest, ShardReader
 from data_pipeline.sources import Corpus, DataError
-from data_pipeline.tokenize import corpus_tokenizer, run_tokenize
-from data_pipeline.tokenizer import CHAT_TEMPLATE, EOS, describe, train_bpe
+from data_pipeline.tokenize import run_tokenize
+from data_pipeline.tokenizer import CHAT_TEMPLATE, EOS, corpus_tokenizer, describe, train_bpe
 from infra.storage import MANIFEST, sha256_file
 
 
@@ -180,8 +180,7 @@ def test_manifest_is_json_with_digests(tokenized: tuple[DatasetManifest, Path]) 
 
 
 def test_long_document_is_encoded_in_pieces_with_the_same_ids(tokenized) -> None:
-    from data_pipeline.tokenize import corpus_tokenizer
-    from data_pipeline.tokenizer import pieces
+    from data_pipeline.tokenizer import corpus_tokenizer, pieces
 
     manifest, _ = tokenized
     tokenizer = corpus_tokenizer(manifest.tokenizer.path)

@@ -1,0 +1,67 @@
+"""The CLI's `Runner`: stages run in this process, each with a progress bar on stderr in its unit (training
+steps, sweep trials, items such as documents or compressed variants)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from flows.runner import Direct, ItemProgress, StepProgress, TrialProgress, trial_line
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+
+def stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+class BarRunner(Direct):
+    """A `Direct` runner whose progress callbacks drive rich progress bars."""
+
+    def __init__(self, bar: Progress) -> None:
+        super().__init__()
+        self.bar = bar
+
+    def steps(self, name: str, total: int) -> StepProgress:
+        task = self.bar.add_task(name, total=total, status="starting")
+
+        def report(step: int, loss: float, tokens_per_s: float) -> None:
+            self.bar.update(task, completed=step, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s")
+
+        return report
+
+    def trials(self, name: str) -> TrialProgress:
+        task = self.bar.add_task(name, total=None, status="")
+
+        def report(done: int, total: int, row: dict[str, Any]) -> None:
+            self.bar.update(task, completed=done, total=total, status=trial_line(row))
+
+        return report
+
+    def items(self, name: str, total: int | None) -> ItemProgress:
+        task = self.bar.add_task(name, total=total, status="")
+
+        def report(done: int, label: str) -> None:
+            self.bar.update(task, completed=done, status=label)
+
+        return report
+
+
+@contextmanager
+def bar_runner() -> Iterator[BarRunner]:
+    """A `BarRunner` whose bars (on stderr) live for the duration of the block."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (
+        TextColumn("{task.description}"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=stderr_console()) as bar:
+        yield BarRunner(bar)

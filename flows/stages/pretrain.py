@@ -1,0 +1,51 @@
+"""Stage 2, `pretrain`: DeepSpeed pretraining of the recipe's model (its `model:`, `optim:`, `train:` and
+`parallel:`), at the size the scaling fit chose when the fit runs first; resumes from its newest checkpoint."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flows.stage_def import Inputs, StageDef
+
+if TYPE_CHECKING:
+    from flows.recipe import Recipe
+    from flows.runner import StepProgress
+    from training.stage import TrainedModel
+
+
+def run(recipe: Recipe, inputs: Inputs, progress: StepProgress | None) -> TrainedModel:
+    from training.pretrain import run_pretrain
+
+    return run_pretrain(recipe.pretrain_spec(), inputs["data"], progress=progress)
+
+
+def report(recipe: Recipe, inputs: Inputs, model: TrainedModel) -> str:
+    from infra.tracking import tracking_uri
+
+    lines = [
+        f"run        {model.path}",
+        f"checkpoint {model.checkpoint} (step {model.step})",
+        f"val loss   {model.final_val_loss}",
+        f"hf export  {model.hf_export} (verified: {model.export_valid}, max |Δlogit| {model.max_abs_logit_diff})",
+        f"mlflow run {model.mlflow_run_id}",
+    ]
+    if recipe.tracking.enabled:
+        uri = tracking_uri(recipe.tracking, recipe.output_dir)
+        lines.append(f"browse it: .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000")
+    return "\n".join(lines)
+
+
+PRETRAIN: StageDef[TrainedModel] = StageDef(
+    name="pretrain",
+    help="stage 2: DeepSpeed pretraining (resumes automatically)",
+    run=run,
+    needs={"data": "tokenize"},
+    wants={"law": "fit"},  # the fit sizes the model (Plan.recipe) before it trains
+    progress="steps",
+    total=lambda recipe, inputs: recipe.train.max_steps,
+    headline=lambda m: {"val loss": m.final_val_loss, "steps": m.step, "export verified": m.export_valid},
+    report=report,
+    outputs=lambda recipe, inputs, m: {"pretrained model": m.hf_export},
+    models=lambda m: {"pretrain": m},
+    tags=("gpu",),
+)

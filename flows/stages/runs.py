@@ -1,0 +1,63 @@
+"""Finished runs: those a user gives instead of having a stage build them (`--base DIR`, `--teacher DIR`,
+`eval RUN ...`), each loaded or refused in one line naming the fix; and how a trained run is described."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from infra.config import ConfigError
+from infra.object_store import is_remote
+
+if TYPE_CHECKING:
+    from training.stage import TrainedModel
+
+
+def load_model(run_dir: str | Path) -> TrainedModel:
+    """A finished, intact training run by directory; one line naming the fix when it is missing, unfinished or
+    damaged. An object-store URI of a run is pulled to this node first."""
+    from training.stage import TrainedModel
+
+    if not is_remote(run_dir) and not Path(run_dir).is_dir():
+        raise ConfigError(
+            f"{run_dir}: no such run directory; give a training run's directory (outputs/<stage>/<name>-<hash>)"
+        )
+    return TrainedModel.load(run_dir)
+
+
+def load_models(run_dirs: Sequence[str]) -> list[tuple[str, TrainedModel]]:
+    """Finished runs, each named by its kind (the evaluation's columns)."""
+    models = [load_model(run) for run in run_dirs]
+    return [(model.kind, model) for model in models]
+
+
+def load_teacher(source: str | Path) -> Any:
+    """A distillation teacher: a finished lmforge run directory, or a Hugging Face export directory."""
+    from training.distill import teacher_from_export
+
+    if (Path(source) / "manifest.json").is_file():
+        return load_model(source)
+    return teacher_from_export(source)
+
+
+def exported(model: TrainedModel) -> str:
+    """The run's Hugging Face export (its tokenizer files too), or one line naming the fix."""
+    if not Path(model.hf_export).is_dir():
+        raise ConfigError(
+            f"{model.path} has no Hugging Face export (and so no tokenizer files) to start from; rerun its "
+            "stage to export it"
+        )
+    return model.hf_export
+
+
+def describe_tuned(model: TrainedModel) -> str:
+    """A tuned run's directory, origin, headline numbers, adapter and export."""
+    origin = f", from {model.base_run_dir}" if model.base_run_dir else ""
+    lines = [f"run        {model.path} ({model.kind}{origin})"]
+    lines += [f"  {key:<36} {value:.4f}" for key, value in model.summary.items()]
+    if model.adapter:
+        lines.append(f"adapter    {model.adapter}  (PeftModel.from_pretrained(<base hf export>, adapter))")
+    lines.append(f"hf export  {model.hf_export} (verified: {model.export_valid})")
+    lines.append(f"mlflow run {model.mlflow_run_id}")
+    return "\n".join(lines)

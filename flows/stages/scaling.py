@@ -1,0 +1,151 @@
+"""The scaling stages (the recipe's `sweep:`): `sweep` trains the IsoFLOP ladder as Ray Tune trials, `fit` fits
+L(N, D) to it and sizes the model for the target budget (every later stage trains that size), `rung` checks
+the prediction the fit made for that model against its measured loss once it has trained."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from flows.stage_def import Inputs, StageDef
+
+if TYPE_CHECKING:
+    from evaluation.scaling_report import ScalingFit
+    from flows.recipe import Recipe
+    from flows.runner import TrialProgress
+    from training.sweep import SweepResult
+
+
+def run_sweep(recipe: Recipe, inputs: Inputs, progress: TrialProgress | None) -> SweepResult:
+    from training.sweep import run_sweep
+
+    return run_sweep(recipe.sweep_spec(), inputs["data"], progress=progress)
+
+
+def sweep_report(recipe: Recipe, inputs: Inputs, result: SweepResult) -> str:
+    lines = [f"left out   {line}" for line in result.skipped]
+    lines.append(
+        f"results   {result.results} ({result.n_completed} completed, {result.n_stopped} stopped early)"
+    )
+    if result.overhead:
+        lines.append(
+            f"overhead  Tune wall {result.wall_seconds:.1f} s / trials {result.trial_seconds:.1f} s = "
+            f"{result.overhead:.3f}"
+        )
+    lines.append(f"mlflow    run {result.mlflow_run_id}")
+    lines.append(
+        f"points    {result.n_points} (N, D) points from {result.n_completed} runs; points per FLOP "
+        f"{result.points_per_flop_gain:.2f}x a one-run-per-point design"
+    )
+    lines += [f"warning   {warning}" for warning in result.warnings]
+    return "\n".join(lines)
+
+
+SWEEP: StageDef[SweepResult] = StageDef(
+    name="sweep",
+    help="scaling sweep: Ray Tune trials over (budget, size)",
+    run=run_sweep,
+    needs={"data": "tokenize"},
+    section="sweep",
+    progress="trials",
+    headline=lambda r: {
+        "trials": r.n_trials,
+        "completed": r.n_completed,
+        "points": r.n_points,
+        "points per FLOP vs one run per point": round(r.points_per_flop_gain, 3),
+        "results": r.results,
+    },
+    report=sweep_report,
+    tags=("gpu",),
+)
+
+
+def run_fit(recipe: Recipe, inputs: Inputs, progress: Any) -> ScalingFit:
+    from flows.scaling import fit_sweep
+
+    return fit_sweep(recipe, inputs["sweep"], inputs["data"])
+
+
+def sized(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> tuple[Recipe, str]:
+    """The recipe at the size nearest the fitted N* for the target budget, and why that size."""
+    import pyarrow.parquet as pq
+
+    from flows.scaling import size_for_budget
+
+    sizes = [row["N"] for row in pq.read_table(inputs["sweep"].results, columns=["N"]).to_pylist()]
+    final, note = size_for_budget(recipe, law.optimal.n_opt, law.optimal.budget, (min(sizes), max(sizes)))
+    return final.override({"name": f"{recipe.name}-optimal"}), note
+
+
+def fit_report(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> str:
+    from evaluation.scaling_report import headline
+    from flows.scaling import fit_dir
+
+    where = fit_dir(inputs["sweep"], law.optimal.budget)
+    return (
+        f"Scaling law (sweep → fit):\n{headline(law)}\nChosen size: {sized(recipe, inputs, law)[1]}\n"
+        f"fit       {where}"
+    )
+
+
+def fit_headline(law: ScalingFit) -> dict[str, Any]:
+    """The law with its exponents' intervals, both approaches' N* and the rung's prediction (and measurement)."""
+    numbers: dict[str, Any] = {k: round(v, 4) for k, v in law.law.items()}
+    numbers |= {f"{k} 95%": [round(x, 4) for x in law.intervals[k]] for k in ("alpha", "beta")}
+    numbers |= {"N* (Approach 3)": round(law.optimal.n_opt), "N* (Approach 2)": law.approach2_n_opt}
+    rung = law.rung
+    if rung is not None:
+        numbers |= {"rung predicted loss": round(rung.loss, 4), "rung 95% interval": list(rung.interval)}
+        numbers |= {"rung measured loss": rung.measured_loss, "prediction held": rung.held}
+        if rung.task_loss is not None:
+            numbers |= {
+                "rung predicted HumanEval bits/byte": round(rung.task_loss, 4),
+                "rung measured HumanEval bits/byte": rung.measured_task_loss,
+            }
+    return numbers
+
+
+FIT: StageDef[ScalingFit] = StageDef(
+    name="fit",
+    help="fit L(N, D) = E + A/N^alpha + B/D^beta to the sweep and size the model for the target budget",
+    run=run_fit,
+    needs={"sweep": "sweep", "data": "tokenize"},
+    section="sweep",
+    headline=fit_headline,
+    report=fit_report,
+    refine=lambda recipe, inputs, law: sized(recipe, inputs, law)[0],
+)
+
+
+def run_rung(recipe: Recipe, inputs: Inputs, progress: Any) -> ScalingFit:
+    from flows.lineage import record_fit
+    from flows.scaling import check_rung, fit_dir
+
+    checked = check_rung(recipe, inputs["sweep"], inputs["law"], inputs["model"])
+    budget = checked.optimal.budget
+    record_fit(recipe, checked, fit_dir(inputs["sweep"], budget), budget)
+    return checked
+
+
+def rung_outputs(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> dict[str, str]:
+    from flows.scaling import fit_dir
+
+    where = fit_dir(inputs["sweep"], inputs["law"].optimal.budget)
+    return {"scaling fit": str(where / "fit.json"), "scaling plots": str(where / "*.png")}
+
+
+def rung_report(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> str:
+    from evaluation.scaling_report import rung_lines
+
+    return "The rung (the model trained at the fitted size):\n" + "\n".join(rung_lines(law.rung))
+
+
+RUNG: StageDef[ScalingFit] = StageDef(
+    name="rung",
+    help="sweep, fit, pretrain at the fitted compute-optimal size, and check the loss the fit predicted for it",
+    run=run_rung,
+    needs={"sweep": "sweep", "law": "fit", "model": "pretrain"},
+    section="sweep",
+    headline=fit_headline,
+    report=rung_report,
+    outputs=rung_outputs,
+)
