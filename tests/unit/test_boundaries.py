@@ -23,10 +23,21 @@ OWNERS = {
 }
 
 
-def imports_of(path: Path) -> set[str]:
+def imports_of(path: Path, runtime_only: bool = False) -> set[str]:
+    """Every module or name `path` imports, at the top or inside functions (`runtime_only`: less the imports
+    under `if TYPE_CHECKING:`, which only the type checker runs)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
+    checking_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if runtime_only and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for statement in node.body
+        for inner in ast.walk(statement)
+    }
     names: set[str] = set()
     for node in ast.walk(tree):
+        if id(node) in checking_only:
+            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -101,3 +112,74 @@ def test_the_layer_rule_catches_an_upward_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from flows.recipe import Recipe\n    return Recipe\n")
     assert "flows.recipe" in imports_of(module)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> the lmforge modules it imports when it runs (function-level imports included)."""
+    modules = {}
+    for path in source_files():
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def owner(name: str) -> str | None:
+        parts = name.split(".")
+        return next((m for i in range(len(parts), 0, -1) if (m := ".".join(parts[:i])) in modules), None)
+
+    return {
+        module: {o for name in imports_of(path, runtime_only=True) if (o := owner(name)) and o != module}
+        for module, path in modules.items()
+    }
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each a circle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while (top := stack.pop()) != module:
+                component.append(top)
+            if component:
+                circles.append(sorted([module, *component]))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_import_circles() -> None:
+    """No two modules import each other, directly or around a circle, not even from inside a function."""
+    assert import_circles(module_graph()) == []
+
+
+def test_the_circle_check_sees_a_function_level_import() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_cli_and_every_stage_declaration_load_without_torch() -> None:
+    """`lmforge --help` builds every command from the registry without importing torch (or Ray, or Prefect)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from flows.cli import build_parser; build_parser().format_help(); "
+        "heavy = [m for m in ('torch', 'ray', 'prefect', 'deepspeed', 'mlflow') if m in sys.modules]; "
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.deployments import PREFECT_YAML, render
 from flows.pipeline import FLOWS, PipelineParams
 from infra.services import ServiceError, check_bind
 
@@ -27,33 +28,25 @@ def test_prefect_yaml_declares_every_flow():
     assert set(entry_flows) == set(FLOWS)
 
 
+def test_the_committed_prefect_yaml_is_the_generated_one():
+    assert PREFECT_YAML.read_text() == render(), "prefect.yaml is stale: run `python -m flows.deployments`"
+
+
 def test_pipeline_parameters_render_as_a_form():
     from prefect.utilities.callables import parameter_schema
 
     schema = parameter_schema(FLOWS["pipeline"].fn)
     props = schema.model_dump()["definitions"]["PipelineParams"]["properties"]
-    fields = {
-        "recipe",
-        "overrides",
-        "size",
-        "budget",
-        "finetune",
-        "dpo",
-        "distill",
-        "compress",
-        "register_model",
-    }
+    fields = {"recipe", "overrides", "size", "budget", "sft", "dpo", "distill", "compress", "register_model"}
     assert fields <= set(props)
     assert props["size"]["enum"] == ["fit", "recipe"]
     assert "DPO" in props["dpo"]["title"] and "student" in props["distill"]["description"]  # described fields
     assert "frontier" not in props["compress"]["title"] and "GPTQ" in props["compress"]["description"]
-    for name in (
-        "dpo",
-        "distill",
-        "compress",
-    ):  # each optional stage is also a flow of its own (and so a deployment)
+    for name in ("sft", "dpo", "distill", "compress"):  # each optional stage is also a flow (and a deployment)
         params = parameter_schema(FLOWS[name].fn).model_dump()["definitions"]
-        assert {"recipe", "overrides"} <= set(next(iter(params.values()))["properties"])
+        assert {"recipe", "overrides", "teacher" if name == "distill" else "base"} <= set(
+            next(iter(params.values()))["properties"]
+        )
 
 
 def test_invalid_pipeline_parameters_are_refused():
@@ -87,17 +80,13 @@ def test_pipeline_flags_reach_the_flow_and_unknown_parameters_are_refused():
     from flows.cli import build_parser
     from flows.cli_services import pipeline_params
 
-    args = build_parser().parse_args(
-        ["pipeline", "smoke", "--no-register", "--no-finetune", "--size", "recipe"]
-    )
+    args = build_parser().parse_args(["pipeline", "smoke", "--no-register", "--no-sft", "--size", "recipe"])
     params = pipeline_params(args)
-    assert (params.register_model, params.finetune, params.size) == (False, False, "recipe")
-    assert params.options().register_model is False
+    assert (params.register_model, params.sft, params.size) == (False, False, "recipe")
+    assert params.switches()["register_model"] is False
     assert (params.dpo, params.distill) == (False, False)  # optional stages are off unless asked for
-    options = pipeline_params(
-        build_parser().parse_args(["pipeline", "smoke", "--dpo", "--distill"])
-    ).options()
-    assert (options.dpo, options.distill, options.finetune) == (True, True, True)
+    switches = pipeline_params(build_parser().parse_args(["pipeline", "smoke", "--dpo", "--distill"])).switches()
+    assert (switches["dpo"], switches["distill"], switches["sft"]) == (True, True, True)
     with pytest.raises(ValidationError, match="register"):
         PipelineParams(recipe="smoke", register=False)  # a misspelt flag is an error, not a silent default
 
@@ -107,10 +96,11 @@ def test_a_registering_pipeline_refuses_attention_without_a_llama_layout(capsys)
     same recipe without them is accepted."""
     from flows.cli import main
     from flows.recipe import load_recipe
-    from flows.stages import PipelineOptions, check_pipeline
+    from flows.registry import pipeline_stages, preflight
 
     for extra in ([], ["--compress", "--no-register"]):
         assert main(["pipeline", "smoke", "--set", "model.attention=favor", *extra]) == 2
         message = capsys.readouterr().err.strip()
         assert "\n" not in message and "model.attention=favor has no Hugging Face layout" in message
-    check_pipeline(load_recipe("smoke", ["model.attention=linear"]), PipelineOptions(register_model=False))
+    linear = load_recipe("smoke", ["model.attention=linear"])
+    preflight(linear, pipeline_stages({"register_model": False}, "fit"))
