@@ -3,7 +3,7 @@ steps, sweep trials, items such as documents or compressed variants)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -20,33 +20,45 @@ def stderr_console() -> Any:
 
 
 class BarRunner(Direct):
-    """A `Direct` runner whose progress callbacks drive rich progress bars."""
+    """A `Direct` runner whose progress callbacks drive rich progress bars. A bar appears at a stage's first
+    progress report, so a finished (cached) stage, or one refused before it starts, shows none."""
 
     def __init__(self, bar: Progress) -> None:
         super().__init__()
         self.bar = bar
 
+    def task(self, name: str, total: int | None) -> Callable[..., None]:
+        """`update(**fields)` of a bar added on its first call."""
+        task: list[Any] = []
+
+        def update(**fields: Any) -> None:
+            if not task:
+                task.append(self.bar.add_task(name, total=total, status=""))
+            self.bar.update(task[0], **fields)
+
+        return update
+
     def steps(self, name: str, total: int) -> StepProgress:
-        task = self.bar.add_task(name, total=total, status="starting")
+        update = self.task(name, total)
 
         def report(step: int, loss: float, tokens_per_s: float) -> None:
-            self.bar.update(task, completed=step, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s")
+            update(completed=step, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s")
 
         return report
 
     def trials(self, name: str) -> TrialProgress:
-        task = self.bar.add_task(name, total=None, status="")
+        update = self.task(name, None)
 
         def report(done: int, total: int, row: dict[str, Any]) -> None:
-            self.bar.update(task, completed=done, total=total, status=trial_line(row))
+            update(completed=done, total=total, status=trial_line(row))
 
         return report
 
     def items(self, name: str, total: int | None) -> ItemProgress:
-        task = self.bar.add_task(name, total=total, status="")
+        update = self.task(name, total)
 
         def report(done: int, label: str) -> None:
-            self.bar.update(task, completed=done, status=label)
+            update(completed=done, status=label)
 
         return report
 

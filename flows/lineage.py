@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from data_pipeline.shards import DatasetManifest
 from evaluation.scaling_report import ScalingFit
-from flows.recipe import Recipe
 from infra.registry import RegisteredVersion
 from infra.storage import sha256_file
 from infra.tracking import TrackedRun, open_run
 from training.stage import TrainedModel
+
+if TYPE_CHECKING:
+    from flows.recipe import Recipe
 
 
 def flow_run_id() -> str:

@@ -17,25 +17,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from data_pipeline.config import DataConfig
-from evaluation.config import EvalConfig, EvalSpec, FrontierSpec
+from evaluation.config import EvalSpec, FrontierSpec
 from infra.config import Change, ConfigError, apply_overrides, parse_override
 from infra.tracking import TrackingConfig
-from training.compress_config import CompressConfig, CompressSpec
+from training.compress_config import CompressSpec
 from training.config import (
     MATRIX_OPTIMIZERS,
-    DistillConfig,
     DistillSpec,
-    DPOConfig,
     DPOSpec,
     OptimConfig,
     ParallelConfig,
     PretrainSpec,
-    SFTConfig,
     SFTSpec,
-    SweepConfig,
     SweepSpec,
     TrainConfig,
     check_batch,
@@ -77,8 +72,9 @@ def check_matrix_optimizer(prefix: str, optim: OptimConfig, par: ParallelConfig,
         )
 
 
-class Recipe(BaseModel):
-    """The whole configuration of a pipeline run."""
+class RecipeCore(BaseModel):
+    """The whole configuration of a pipeline run, less the stages' sections: the model and how pretraining runs
+    (its optimiser, run, parallelism, tracking). `Recipe` adds one field per stage section from the registry."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -90,17 +86,10 @@ class Recipe(BaseModel):
     optim: OptimConfig = OptimConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
-    data: DataConfig = DataConfig()
     tracking: TrackingConfig = TrackingConfig()
-    sft: SFTConfig = SFTConfig()
-    dpo: DPOConfig = DPOConfig()
-    distill: DistillConfig = DistillConfig()
-    compress: CompressConfig = CompressConfig()
-    sweep: SweepConfig = SweepConfig()
-    eval: EvalConfig = EvalConfig()
 
     @model_validator(mode="after")
-    def _check_across_slices(self) -> Recipe:
+    def _check_across_slices(self) -> RecipeCore:
         moe, par = self.model.moe, self.parallel
         if par.ep_size > 1 and moe is None:
             raise ValueError(
@@ -199,7 +188,7 @@ class Recipe(BaseModel):
     def frontier_spec(self) -> FrontierSpec:
         return self.spec(FrontierSpec)
 
-    def override(self, *changes: Change) -> Recipe:
+    def override(self, *changes: Change) -> RecipeCore:
         """This recipe with `a.b=c` strings or {"a.b": value} mappings applied, validated again."""
         return validate_recipe(apply_overrides(self.model_dump(mode="json"), changes))
 
@@ -209,6 +198,21 @@ class Recipe(BaseModel):
             self.model_dump(mode="json", exclude={"tracking"}), sort_keys=True, separators=(",", ":")
         )
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def recipe_model() -> type[RecipeCore]:
+    """`RecipeCore` plus each stage's recipe section (`data`, `sweep`, `sft`, `dpo`, ...), as the stages declare
+    them: a new stage's section needs no edit here."""
+    from flows.registry import STAGES
+
+    sections: Any = {}
+    for stage in STAGES.values():
+        if stage.config is not None and stage.section is not None:
+            sections.setdefault(stage.section, (stage.config, stage.config()))
+    return create_model("Recipe", __base__=RecipeCore, **sections)
+
+
+Recipe = recipe_model()
 
 
 def resolve_recipe_path(recipe: str | Path) -> Path:

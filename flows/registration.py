@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from evaluation.config import LOSS
 from evaluation.frontier import Frontier
 from evaluation.gates import gate_results
 from evaluation.report import EvalReport
 from evaluation.scaling_report import ScalingFit
-from flows.recipe import Recipe
 from infra.errors import UserError
 from infra.registry import RegisteredVersion, register
 from training.compress_config import QUANTIZED
 from training.compress_stage import Compressed
 from training.hf_interop import load_hf_config, no_llama_layout
 from training.stage import TrainedModel
+
+if TYPE_CHECKING:
+    from flows.recipe import Recipe
 
 
 def register_final(

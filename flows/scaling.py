@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -28,10 +28,12 @@ from evaluation.scaling_report import (
     run_fit_scaling,
     write_fit_plots,
 )
-from flows.recipe import Recipe
 from infra.tracking import existing_run
 from training.stage import TrainedModel, read_metrics
 from training.sweep import SweepResult
+
+if TYPE_CHECKING:
+    from flows.recipe import Recipe
 
 
 def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:

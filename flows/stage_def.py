@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
+from pydantic import BaseModel
+
 if TYPE_CHECKING:
     from flows.recipe import Recipe
     from training.stage import TrainedModel
@@ -61,6 +63,7 @@ class StageDef(Generic[A]):
     needs: Mapping[str, Need] = field(default_factory=dict)  # role -> stage (alternatives: the first enabled)
     wants: Mapping[str, str] = field(default_factory=dict)  # role -> stage passed only when it is enabled
     section: str | None = None  # the recipe section that configures it
+    config: type[BaseModel] | None = None  # the section's model, on the stage that owns it (a Recipe field)
     progress: Literal["steps", "trials", "items"] | None = None
     total: Callable[[Recipe, Inputs], int | None] | None = None  # steps or items, for progress bars
     check: Callable[[Recipe, Inputs], None] | None = None  # refuse bad input before the progress bar starts

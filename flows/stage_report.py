@@ -17,7 +17,10 @@ def publish(stage: str, recipe: Any, numbers: dict[str, Any], mlflow_run_id: str
     url = existing_run(recipe.tracking, recipe.output_dir, mlflow_run_id).url()
     if url:
         lines += ["", f"[MLflow run]({url})"]
-    key = "".join(c if c.isalnum() else "-" for c in f"{recipe.name}-{stage}".lower()).strip("-")
+    name = recipe.name.removesuffix(
+        "-optimal"
+    )  # stages after the fit run the sized recipe; one key per pipeline
+    key = "".join(c if c.isalnum() else "-" for c in f"{name}-{stage}".lower()).strip("-")
     with contextlib.suppress(
         Exception
     ):  # outside a flow run (plain function use) there is nothing to attach to

@@ -11,6 +11,7 @@ from flows.stage_def import Given, Inputs, StageDef, Toggle
 from flows.stages.evaluate import needs_llama_layout
 from flows.stages.runs import load_model
 from flows.stages.sft import heldout
+from training.compress_config import CompressConfig
 
 if TYPE_CHECKING:
     from evaluation.frontier import Frontier
@@ -46,6 +47,7 @@ COMPRESS: StageDef[Compressed] = StageDef(
     run=run,
     needs={"base": BASE, "data": "tokenize"},
     section="compress",
+    config=CompressConfig,
     progress="items",
     total=lambda recipe, inputs: len(recipe.compress.variants),
     check=check,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from flows.stage_def import Given, Inputs, StageDef, Toggle
 from flows.stages.runs import describe_tuned, load_teacher
 from flows.stages.sft import sft_examples
+from training.config import DistillConfig
 
 if TYPE_CHECKING:
     from flows.recipe import Recipe
@@ -41,6 +42,7 @@ DISTILL: StageDef[TrainedModel] = StageDef(
     run=run,
     needs={"teacher": "pretrain", "data": "tokenize"},
     section="distill",
+    config=DistillConfig,
     progress="steps",
     total=lambda recipe, inputs: recipe.distill.train.max_steps,
     headline=lambda model: dict(model.summary),

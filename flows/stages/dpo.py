@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from flows.stage_def import Given, Inputs, StageDef, Toggle
 from flows.stages.runs import describe_tuned, exported, load_model
+from training.config import DPOConfig
 
 if TYPE_CHECKING:
     from data_pipeline.preference import PreferenceManifest
@@ -87,6 +88,7 @@ DPO: StageDef[TrainedModel] = StageDef(
     run=run,
     needs={"base": BASE, "pairs": "preference_data", "reference": "reference_logps"},
     section="dpo",
+    config=DPOConfig,
     progress="steps",
     total=lambda recipe, inputs: recipe.dpo.train.max_steps,
     headline=lambda model: dict(model.summary),

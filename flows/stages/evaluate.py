@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from evaluation.config import EvalConfig
 from flows.stage_def import Given, Inputs, StageDef, Toggle
 from flows.stages.dpo import heldout as pairs_heldout
 from flows.stages.runs import load_models
@@ -58,6 +59,7 @@ EVAL: StageDef[EvalReport] = StageDef(
     wants={"sft_data": "sft_data", "pairs": "preference_data"},
     collects=True,
     section="eval",
+    config=EvalConfig,
     headline=eval_headline,
     report=eval_report,
     outputs=lambda recipe, inputs, report: {"eval report": str(Path(report.path) / "report.md")},

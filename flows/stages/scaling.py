@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from flows.stage_def import Inputs, StageDef
+from training.config import SweepConfig
 
 if TYPE_CHECKING:
     from evaluation.scaling_report import ScalingFit
@@ -46,6 +47,7 @@ SWEEP: StageDef[SweepResult] = StageDef(
     run=run_sweep,
     needs={"data": "tokenize"},
     section="sweep",
+    config=SweepConfig,
     progress="trials",
     headline=lambda r: {
         "trials": r.n_trials,

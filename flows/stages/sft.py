@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from flows.stage_def import Given, Inputs, StageDef, Toggle
 from flows.stages.runs import describe_tuned, exported, load_model
+from training.config import SFTConfig
 
 if TYPE_CHECKING:
     from data_pipeline.sft import SFTManifest
@@ -62,6 +63,7 @@ SFT: StageDef[TrainedModel] = StageDef(
     run=run,
     needs={"base": "pretrain", "data": "sft_data"},
     section="sft",
+    config=SFTConfig,
     progress="steps",
     total=lambda recipe, inputs: recipe.sft.train.max_steps,
     headline=lambda model: dict(model.summary),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from data_pipeline.config import DataConfig
 from flows.stage_def import Inputs, StageDef
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ TOKENIZE: StageDef[DatasetManifest] = StageDef(
     help="stage 1: train the tokenizer and write token shards",
     run=run,
     section="data",
+    config=DataConfig,
     progress="items",
     headline=headline,
     report=report,

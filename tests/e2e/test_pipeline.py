@@ -252,8 +252,9 @@ def test_stage_artifacts_are_published_to_prefect(served_run):
         "smoke-pretrain",
         "smoke-dpo",
         "smoke-distill",
-        "smoke-compress",
-        "smoke-evaluate",
+        "smoke-rung",
+        "smoke-frontier",
+        "smoke-eval",
         "smoke-register",
     }
 

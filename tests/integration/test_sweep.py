@@ -157,6 +157,6 @@ def test_cli_sweep_runs_new_trials_with_a_live_progress_bar(sweep_setup):
     """`lmforge sweep` hands Tune a callback wrapping a rich progress bar (which cannot be pickled)."""
     recipe, _, _, _ = sweep_setup
     overrides = smoke_overrides(Path(recipe.output_dir), "sweep.budgets=[2e10]", "sweep.depths=[2]")
-    result = cli("sweep", "smoke", "--no-fit", *with_sets(overrides))
+    result = cli("sweep", "smoke", *with_sets(overrides))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(1 completed, 0 stopped early)" in result.stdout
