@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from evaluation.chinchilla_fit import Law, bootstrap, fit_law
 from evaluation.isoflop import IsoFlopFit, fit_parabolas
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points
+from infra.steps import Artifact
 from infra.storage import atomic_write_json
 
 FIT_FILE = "fit.json"
@@ -69,8 +70,11 @@ class Prediction(BaseModel):
         )
 
 
-class ScalingFit(BaseModel):
-    """Everything in fit.json; `law` is Approach 3's point estimate."""
+class ScalingFit(Artifact):
+    """Everything in fit.json; `law` is Approach 3's point estimate. As the fit and rung stages' artifact, `path`
+    is the step's directory (empty for a table fitted by `lmforge fit-scaling`)."""
+
+    path: str = ""
 
     source: str
     n_points: int
@@ -95,7 +99,7 @@ class ScalingFit(BaseModel):
     rung: Prediction | None = None  # the model trained at the target budget: predicted, then measured
 
     @classmethod
-    def load(cls, out_dir: str | Path) -> ScalingFit:
+    def read(cls, out_dir: str | Path) -> ScalingFit:
         return cls.model_validate_json((Path(out_dir) / FIT_FILE).read_text())
 
     def to_law(self) -> Law:

@@ -1,8 +1,8 @@
 """The scaling stages as the CLI and the pipeline run them: sweep (Ray Tune) then fit, logged to MLflow.
 
-The fit of a sweep for a target budget lives in `<sweep dir>/fit-C<budget>/` (so it is content-addressed by the
-sweep) and is attached to the sweep's MLflow run: fit.json, the plots and the law's numbers as metrics; after
-the rung has trained, its check rewrites fit.json and the plots there.
+The fit of a sweep for a target budget is a cached step of its own (`<output_dir>/fit/<name>-<hash>/`: fit.json,
+the bootstrap laws, the plots), attached to the sweep's MLflow run; once the rung has trained, its check is
+another step (`<output_dir>/rung/<name>-<hash>/`) holding fit.json and the plots with the measurement.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from evaluation.scaling_report import (
     run_fit_scaling,
     write_fit_plots,
 )
+from infra.steps import Step, run_step
 from infra.tracking import existing_run
 from training.stage import TrainedModel, read_metrics
 from training.sweep import SweepResult
@@ -64,30 +65,45 @@ def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
     )
 
 
+FIT_VERSION = 1
+RUNG_VERSION = 1
+
+
 def target_budget(recipe: Recipe) -> float:
     """The compute budget the final model is sized for: `sweep.target_budget`, else the largest swept budget."""
     return float(recipe.sweep.target_budget or max(recipe.sweep.budgets))
 
 
-def fit_dir(sweep: SweepResult, budget: float) -> Path:
-    """Where the fit of a sweep for a target budget lives (content-addressed by the sweep)."""
-    return Path(sweep.sweep_dir) / f"fit-C{budget:.3g}".replace("+", "")
-
-
 def fit_sweep(
+    recipe: Recipe, sweep: SweepResult, data: DatasetManifest | None, n_bootstrap: int = 2000
+) -> ScalingFit:
+    """The fit of the sweep's results for the target budget, with the loss (and the probe's task loss) it
+    predicts for the model sized there, made before that model trains: a cached step (`<output_dir>/fit/`) keyed
+    by the sweep, the data and what sizing reads (the recipe's model, run and sweep sections)."""
+    budget = target_budget(recipe)
+    config = {
+        "budget": budget,
+        "n_bootstrap": n_bootstrap,
+        "sweep": recipe.sweep.model_dump(mode="json"),
+        "model": recipe.model.model_dump(mode="json"),
+        "train": recipe.train.model_dump(mode="json"),
+        "world_size": recipe.parallel.world_size,
+    }
+    step = Step("fit", recipe.name, FIT_VERSION, config, ScalingFit, {"sweep": sweep, "data": data})
+    return run_step(
+        recipe.output_dir, step, lambda out, key: _fit(recipe, sweep, data, budget, n_bootstrap, out)
+    )
+
+
+def _fit(
     recipe: Recipe,
     sweep: SweepResult,
-    data: DatasetManifest,
-    budget: float | None = None,
-    n_bootstrap: int = 2000,
+    data: DatasetManifest | None,
+    budget: float,
+    n_bootstrap: int,
+    out: Path,
 ) -> ScalingFit:
-    """Fit the sweep's results (cached in `fit_dir`, written only once complete), size the rung for `budget`
-    (default `target_budget`) and predict its loss (and the probe's task loss) before it trains; log the fit to
-    the sweep's MLflow run."""
-    budget = budget or target_budget(recipe)
-    out = fit_dir(sweep, budget)
-    if (out / FIT_FILE).is_file():
-        return ScalingFit.load(out)
+    """Fit, size the rung, predict it; write fit.json and the plots; log the fit to the sweep's MLflow run."""
     points = sweep_points(sweep.results)
     fit = run_fit_scaling(
         points,
@@ -103,7 +119,8 @@ def fit_sweep(
     n, d = rung_size(rung)
     loss, interval = predict(fit.to_law(), load_samples(out), n, d)
     prediction = Prediction(n=n, d=d, loss=loss, interval=interval)
-    updates: dict[str, Any] = {"contamination": contamination_report(data) if recipe.sweep.probe else None}
+    contamination = contamination_report(data) if recipe.sweep.probe and data is not None else None
+    updates: dict[str, Any] = {"contamination": contamination}
     task_points = sweep_points(sweep.results, "task_loss") if recipe.sweep.probe else None
     if task_points is not None and len(task_points) > 5:
         task = fit_law(task_points)
@@ -136,15 +153,22 @@ def rung_size(recipe: Recipe) -> tuple[float, float]:
 
 
 def check_rung(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedModel) -> ScalingFit:
-    """The rung's measured loss (and task loss) against the prediction made before it trained: rewrites fit.json
-    and the plots, and logs `fit/rung_rel_error` with them to the sweep's, the rung's and the pipeline's runs."""
+    """The rung's measured loss (and task loss) against the prediction made before it trained: a cached step
+    (`<output_dir>/rung/`, keyed by the fit and the model) with fit.json and the plots, `fit/rung_rel_error` and
+    its companions logged to the sweep's, the rung's and the pipeline's runs."""
     if fit.rung is None or model.final_val_loss is None:
         return fit
+    step = Step(
+        "rung", recipe.name, RUNG_VERSION, {}, ScalingFit, {"law": fit, "model": model, "sweep": sweep}
+    )
+    return run_step(recipe.output_dir, step, lambda out, key: _check(recipe, sweep, fit, model, out))
+
+
+def _check(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedModel, out: Path) -> ScalingFit:
     task = [m["probe/bpb"] for m in read_metrics(model.run_dir) if "probe/bpb" in m]
     checked = fit.model_copy(
         update={"rung": fit.rung.check(model.final_val_loss, task[-1] if task else None)}
     )
-    out = fit_dir(sweep, fit.optimal.budget)
     write_fit_plots(checked, sweep_points(sweep.results), out)
     checked.save(out)
     rung = checked.rung

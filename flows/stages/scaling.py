@@ -4,6 +4,7 @@ the prediction the fit made for that model against its measured loss once it has
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flows.stage_def import Inputs, StageDef
@@ -80,13 +81,9 @@ def sized(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> tuple[Recipe, str]
 
 def fit_report(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> str:
     from evaluation.scaling_report import headline
-    from flows.scaling import fit_dir
 
-    where = fit_dir(inputs["sweep"], law.optimal.budget)
-    return (
-        f"Scaling law (sweep → fit):\n{headline(law)}\nChosen size: {sized(recipe, inputs, law)[1]}\n"
-        f"fit       {where}"
-    )
+    chosen = sized(recipe, inputs, law)[1]
+    return f"Scaling law (sweep → fit):\n{headline(law)}\nChosen size: {chosen}\nfit       {law.path}"
 
 
 def fit_headline(law: ScalingFit) -> dict[str, Any]:
@@ -120,19 +117,15 @@ FIT: StageDef[ScalingFit] = StageDef(
 
 def run_rung(recipe: Recipe, inputs: Inputs, progress: Any) -> ScalingFit:
     from flows.lineage import record_fit
-    from flows.scaling import check_rung, fit_dir
+    from flows.scaling import check_rung
 
     checked = check_rung(recipe, inputs["sweep"], inputs["law"], inputs["model"])
-    budget = checked.optimal.budget
-    record_fit(recipe, checked, fit_dir(inputs["sweep"], budget), budget)
+    record_fit(recipe, checked, Path(checked.path), checked.optimal.budget)
     return checked
 
 
 def rung_outputs(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> dict[str, str]:
-    from flows.scaling import fit_dir
-
-    where = fit_dir(inputs["sweep"], inputs["law"].optimal.budget)
-    return {"scaling fit": str(where / "fit.json"), "scaling plots": str(where / "*.png")}
+    return {"scaling fit": str(Path(law.path) / "fit.json"), "scaling plots": str(Path(law.path) / "*.png")}
 
 
 def rung_report(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> str:

@@ -165,7 +165,7 @@ def test_mlflow_holds_the_lineage(served_run):
     assert "results.parquet" in {a.path for a in client.list_artifacts(sweep.info.run_id)}
     # the size chosen from the fit is the size trained: N* is the law's closed form (Hoffmann et al. 2022, eq. 4),
     # and the pretraining run has exactly the rung's N and D
-    (fit_json,) = out.glob("sweep/*/fit-*/fit.json")
+    (fit_json,) = out.glob("rung/*/fit.json")  # the fit, its prediction and the measurement
     fit = json.loads(fit_json.read_text())
     law, optimal, rung = fit["law"], fit["optimal"], fit["rung"]
     alpha, beta = law["alpha"], law["beta"]

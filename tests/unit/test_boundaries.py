@@ -181,5 +181,7 @@ def test_the_cli_and_every_stage_declaration_load_without_torch() -> None:
         "heavy = [m for m in ('torch', 'ray', 'prefect', 'deepspeed', 'mlflow') if m in sys.modules]; "
         "print(heavy); sys.exit(1 if heavy else 0)"
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -42,7 +42,12 @@ def test_pipeline_parameters_render_as_a_form():
     assert props["size"]["enum"] == ["fit", "recipe"]
     assert "DPO" in props["dpo"]["title"] and "student" in props["distill"]["description"]  # described fields
     assert "frontier" not in props["compress"]["title"] and "GPTQ" in props["compress"]["description"]
-    for name in ("sft", "dpo", "distill", "compress"):  # each optional stage is also a flow (and a deployment)
+    for name in (
+        "sft",
+        "dpo",
+        "distill",
+        "compress",
+    ):  # each optional stage is also a flow (and a deployment)
         params = parameter_schema(FLOWS[name].fn).model_dump()["definitions"]
         assert {"recipe", "overrides", "teacher" if name == "distill" else "base"} <= set(
             next(iter(params.values()))["properties"]
@@ -85,7 +90,9 @@ def test_pipeline_flags_reach_the_flow_and_unknown_parameters_are_refused():
     assert (params.register_model, params.sft, params.size) == (False, False, "recipe")
     assert params.switches()["register_model"] is False
     assert (params.dpo, params.distill) == (False, False)  # optional stages are off unless asked for
-    switches = pipeline_params(build_parser().parse_args(["pipeline", "smoke", "--dpo", "--distill"])).switches()
+    switches = pipeline_params(
+        build_parser().parse_args(["pipeline", "smoke", "--dpo", "--distill"])
+    ).switches()
     assert (switches["dpo"], switches["distill"], switches["sft"]) == (True, True, True)
     with pytest.raises(ValidationError, match="register"):
         PipelineParams(recipe="smoke", register=False)  # a misspelt flag is an error, not a silent default

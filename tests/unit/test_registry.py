@@ -118,7 +118,10 @@ def test_a_toy_stage_reaches_the_flows_the_form_the_deployments_and_the_summary(
     BUILDS.clear()
     recipe = recipe.override("sft.train.max_steps=3")
     assert resolve("toy_double", recipe, Recording()).done["toy_double"].value == 6
-    assert progress == ["toy_double 0/2 half 0", "toy_double 1/2 half 1"] and BUILDS == ["toy_count", "toy_double"]
+    assert progress == ["toy_double 0/2 half 0", "toy_double 1/2 half 1"] and BUILDS == [
+        "toy_count",
+        "toy_double",
+    ]
 
 
 def test_needs_resolve_to_declared_stages_in_dag_order() -> None:

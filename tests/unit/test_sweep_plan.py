@@ -116,8 +116,8 @@ def test_a_failed_fit_is_never_cached(tmp_path):
         overhead=None,
     )
     with pytest.raises(ScalingDataError, match="no sweep run finished"):
-        fit_sweep(demo("tracking.enabled=false"), sweep, data=None)
-    assert not list(tmp_path.rglob("fit.json"))
+        fit_sweep(demo(f"output_dir={tmp_path}", "tracking.enabled=false"), sweep, data=None)
+    assert not list(tmp_path.rglob("fit.json")) and not list(tmp_path.rglob("manifest.json"))
 
 
 def test_rung_sizes_keep_whole_kv_groups():
