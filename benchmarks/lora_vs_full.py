@@ -32,7 +32,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def measure(model: torch.nn.Module, recipe, steps: int) -> tuple[float, int, int]:  # noqa: ANN001
     from training.parallel import build_engine
 
-    ft = recipe.finetune
+    ft = recipe.sft
     engine = build_engine(model, ft.optim, recipe.parallel, ft.train)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(
@@ -61,15 +61,15 @@ def main() -> None:
     init_distributed()
     recipe = load_recipe(args.recipe, ["parallel.precision=fp32", "parallel.zero_stage=0"])
     full_s, full_bytes, full_params = measure(Transformer(recipe.model, seed=0), recipe, args.steps)
-    lora_model = apply_lora(Transformer(recipe.model, seed=0), recipe.finetune.lora)
+    lora_model = apply_lora(Transformer(recipe.model, seed=0), recipe.sft.lora)
     lora_s, lora_bytes, lora_params = measure(lora_model, recipe, args.steps)
     print(
         json.dumps(
             {
                 "benchmark": "lora_vs_full",
                 "recipe": recipe.name,
-                "lora_r": recipe.finetune.lora.r,
-                "targets": list(recipe.finetune.lora.target_modules),
+                "lora_r": recipe.sft.lora.r,
+                "targets": list(recipe.sft.lora.target_modules),
                 "full_step_ms": round(full_s * 1e3, 2),
                 "lora_step_ms": round(lora_s * 1e3, 2),
                 "step_time_ratio_lora_vs_full": round(lora_s / full_s, 3),

@@ -14,7 +14,7 @@ import time
 
 from data_pipeline.tokenize import run_tokenize
 from flows.recipe import load_recipe
-from training.launch import ensure_ray
+from infra.ray_cluster import ensure_ray
 from training.sweep import run_sweep
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from data_pipeline.config import DataConfig
 from data_pipeline.sources import Corpus, ReadStats
 from data_pipeline.tokenizer import corpus_tokenizer, encode_texts
+from infra.ray_cluster import ensure_ray
 
 
 class _ReadAndEncode:
@@ -44,11 +45,7 @@ def encode_files(
     (the cluster at RAY_ADDRESS, or a private local instance)."""
     import ray
 
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init()
-        else:
-            ray.init(address="local", num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    ensure_ray(workers, log_to_driver=False)
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False

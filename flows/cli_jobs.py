@@ -8,7 +8,6 @@ import sys
 from typing import Any
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
-STAGES = ("pipeline", "tokenize", "pretrain", "sft", "sweep", "eval")
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -43,7 +42,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def add_job_commands(commands: Any, add_set_argument: Any) -> None:
     submit = commands.add_parser("submit", help="run a stage or the pipeline as a Ray job on a cluster")
-    submit.add_argument("stage", choices=STAGES)
+    from flows.registry import STAGES
+
+    commands_run = ["pipeline", *(stage.cli for stage in STAGES.values() if stage.command), "eval"]
+    submit.add_argument("stage", choices=commands_run)
     submit.add_argument("recipe", help="recipe name in configs/ or a path inside the working directory")
     submit.add_argument("--address", default=DEFAULT_ADDRESS, help="Ray dashboard / Jobs API address")
     submit.add_argument(

@@ -5,7 +5,6 @@ The only module that imports `ray.train`.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,26 +12,10 @@ from typing import Any
 import torch
 
 from infra.object_store import Store
+from infra.ray_cluster import ensure_ray
 from training.config import ParallelConfig
 
 log = logging.getLogger(__name__)
-
-
-def ensure_ray(min_cpus: int = 1) -> bool:
-    """Connect to the cluster at `RAY_ADDRESS`, or else start a private local instance with at least `min_cpus`
-    logical CPUs — never both: a Ray head already running on this machine (say `lmforge up`'s) is not joined
-    unless `RAY_ADDRESS` names it. True when the instance is private (it ends with this process)."""
-    import ray
-
-    private = not os.environ.get("RAY_ADDRESS")
-    if ray.is_initialized():
-        return private
-    if not private:
-        ray.init()
-    else:
-        cpus = max(min_cpus, os.cpu_count() or 1)
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
-    return private
 
 
 def run_workers(

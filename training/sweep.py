@@ -29,12 +29,12 @@ from pydantic import BaseModel, ConfigDict
 from data_pipeline.shards import DatasetManifest
 from infra.config import override
 from infra.object_store import is_remote
+from infra.ray_cluster import ensure_ray
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json
 from infra.tracking import tracked_run, tracking_uri
 from training.accounting import count_parameters
 from training.config import PretrainSpec, SweepConfig, SweepSpec
-from training.launch import ensure_ray
 from training.loop import TrainingHalted
 from training.model_config import ModelConfig, depth_dial
 from training.optim import decay_start
