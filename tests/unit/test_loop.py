@@ -188,6 +188,23 @@ def test_a_torn_metrics_line_is_skipped_with_a_warning(tmp_path: Path, caplog) -
     assert read_jsonl(path)[-1] == {"step": 2, "train/loss": 2.9}
 
 
+def test_the_loop_terminates_a_torn_last_line_before_it_appends(tmp_path: Path) -> None:
+    """The loop itself repairs what a crash left: a run directory whose metrics.jsonl ends mid-record loses only
+    that record, and every step the loop logs is read back."""
+    from training.loop import read_jsonl
+
+    torn = '{"step": 1, "train/loss": 3.0}\n{"step": 2, "train/lo'
+    (tmp_path / "metrics.jsonl").write_text(torn)
+    model = Transformer(CFG, seed=1)
+    engine = PlainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_clip=0.0)
+    optim = OptimConfig(lr=0.1, warmup_steps=0, schedule="constant", grad_clip=0.0)
+    train = TrainConfig(seq_len=8, micro_batch_size=2, global_batch_size=2, max_steps=2, checkpoint_every=2)
+    setup = LoopSetup(run_dir=tmp_path, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
+    train_loop(engine, Fixed(sft_like_batches()), None, train, optim, setup, NullTracker(), LoopState())
+    steps = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert steps == [1, 1, 2]  # the record before the tear, then both steps of this run
+
+
 class Recording(NullTracker):
     """Remembers the order of logged steps and flushes."""
 

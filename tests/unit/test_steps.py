@@ -110,3 +110,38 @@ def test_a_changed_setting_rekeys_exactly_the_stages_it_determines(change: str, 
 
     before, after = keys(load_recipe("smoke")), keys(load_recipe("smoke", [change]))
     assert {stage for stage in before if before[stage] != after[stage]} == rekeys
+
+
+def slow_build(out: Path, key: str) -> Note:
+    """A build that takes long enough for a second one of the same key to start meanwhile; counts itself."""
+    import os
+    import time
+
+    with open(out.parent / "builds.log", "a") as log:
+        log.write(f"{os.getpid()}\n")
+    time.sleep(0.5)
+    (out / "body.txt").write_text("hi")
+    return Note(path=str(out), text="hi")
+
+
+def build_in_process(root: str) -> str:
+    return run_step(Path(root), step({"concurrent": True}), slow_build).key
+
+
+def test_two_builds_of_one_key_at_once_build_it_once(tmp_path: Path) -> None:
+    """Threads of one process and separate processes race for the same step: the lock lets one build and the
+    others find it finished (without the lock both would build into the same directory)."""
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        keys = list(pool.map(build_in_process, [str(tmp_path / "threads")] * 2))
+    assert (
+        len(set(keys)) == 1 and len((tmp_path / "threads" / "notes" / "builds.log").read_text().split()) == 1
+    )
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        keys = pool.map(build_in_process, [str(tmp_path / "processes")] * 2)
+    assert (
+        len(set(keys)) == 1
+        and len((tmp_path / "processes" / "notes" / "builds.log").read_text().split()) == 1
+    )
