@@ -9,6 +9,7 @@ with the Prefect flow-run id.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from flows import registry
 from flows.recipe import Recipe, load_recipe
 from flows.runner import Direct
-from flows.stage_def import Inputs, StageDef
+from flows.stage_def import Given, Inputs, StageDef, Toggle
 from flows.stage_report import publish
 
 TRANSIENT = (ConnectionError, TimeoutError, OSError)
@@ -100,26 +101,35 @@ class PipelineBase(RecipeParams):
 
 
 def pipeline_params() -> type[PipelineBase]:
-    """The pipeline's parameter model (the Prefect UI form): recipe, size, budget, and each stage's switch."""
+    """The pipeline's parameter model (the Prefect UI form): recipe, size, budget, and each stage's switch. One
+    class per set of switches, so the flow and its callers validate against the same class."""
+    return switch_model(tuple(registry.toggles().items()))
+
+
+@functools.cache
+def switch_model(toggles: tuple[tuple[str, Toggle], ...]) -> type[PipelineBase]:
     switches: Any = {
-        name: (bool, Field(t.default, title=t.title, description=t.description))
-        for name, t in registry.toggles().items()
+        name: (bool, Field(t.default, title=t.title, description=t.description)) for name, t in toggles
     }
     return create_model("PipelineParams", __base__=PipelineBase, **switches)
 
 
 def stage_params(stage: StageDef[Any]) -> type[RecipeParams]:
     """A stage flow's parameters: the recipe, plus the finished run it may be given (`base`, `teacher`, `runs`)."""
-    if stage.given is None:
+    return given_model(stage.name, stage.given)
+
+
+@functools.cache
+def given_model(name: str, given: Given | None) -> type[RecipeParams]:
+    if given is None:
         return RecipeParams
-    given = stage.given
     kind: Any = list[str] if given.many else str | None
     default: Any = Field(
         default_factory=list if given.many else lambda: None,
         title=given.flag.capitalize(),
         description=given.help,
     )
-    camel = "".join(part.capitalize() for part in stage.name.split("_"))
+    camel = "".join(part.capitalize() for part in name.split("_"))
     return create_model(f"{camel}Params", __base__=RecipeParams, **{given.flag: (kind, default)})
 
 

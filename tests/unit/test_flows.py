@@ -87,6 +87,7 @@ def test_pipeline_flags_reach_the_flow_and_unknown_parameters_are_refused():
 
     args = build_parser().parse_args(["pipeline", "smoke", "--no-register", "--no-sft", "--size", "recipe"])
     params = pipeline_params(args)
+    FLOWS["pipeline"].validate_parameters({"params": params})  # what `lmforge pipeline` hands the flow
     assert (params.register_model, params.sft, params.size) == (False, False, "recipe")
     assert params.switches()["register_model"] is False
     assert (params.dpo, params.distill) == (False, False)  # optional stages are off unless asked for
