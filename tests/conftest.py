@@ -130,3 +130,18 @@ def s3(tmp_path_factory):
         for name, value in server.env(base / "cache").items():
             patch.setenv(name, value)
         yield server
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Wall time per test directory (setup, call and teardown of every test in it), so a CI log says where the
+    suite's time goes beside the slowest tests."""
+    totals: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                folder = report.nodeid.split("::")[0].rsplit("/", 1)[0]
+                totals[folder] = totals.get(folder, 0.0) + report.duration
+    if totals:
+        terminalreporter.write_sep("=", "time per directory")
+        for folder, seconds in sorted(totals.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:8.1f} s  {folder}")
