@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from training.model import Transformer
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
+from training.model.transformer import Transformer
 
 TOKENS = 4096
 KINDS = ("softmax", "linear", "favor")

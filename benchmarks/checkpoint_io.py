@@ -28,7 +28,7 @@ from train_throughput import WIDE, batches  # this script's directory
 
 from flows.recipe import load_recipe
 from training.loop import LoopSetup, LoopState, finish_checkpoint, start_checkpoint
-from training.model import Transformer
+from training.model.transformer import Transformer
 from training.parallel import build_engine, init_distributed
 from training.parallel.checkpoint_writer import CheckpointWriter
 

@@ -31,10 +31,10 @@ def small_trained_run(out: Path, recipe) -> tuple:
     """(TrainedModel, tokenized data) of a 2-layer model trained 300 steps, exported with its tokenizer."""
     from data_pipeline.loader import PackedLoader
     from data_pipeline.tokenize import run_tokenize
-    from training.export import export_hf
-    from training.model import Transformer
-    from training.model_config import ModelConfig
-    from training.stage import TrainedModel
+    from training.model.config import ModelConfig
+    from training.model.export import export_hf
+    from training.model.transformer import Transformer
+    from training.stages.lifecycle import TrainedModel
 
     data = run_tokenize(recipe.data.model_copy(update={"max_documents": 200}), out)
     cfg = ModelConfig(
@@ -78,11 +78,11 @@ def main() -> None:
     from evaluation.model_io import EvalModel
     from evaluation.report import build_tasks, evaluate_model
     from flows.recipe import load_recipe
-    from training.compress import layer_hessians, quantize_model
-    from training.compress_stage import run_compress
-    from training.export import mean_loss
-    from training.hf_interop import load_export
-    from training.stage import TrainedModel
+    from training.compress.model_level import layer_hessians, quantize_model
+    from training.model.export import mean_loss
+    from training.model.hf_interop import load_export
+    from training.stages.compress import run_compress
+    from training.stages.lifecycle import TrainedModel
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

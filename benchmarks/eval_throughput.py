@@ -15,7 +15,7 @@ import torch
 
 from evaluation.scoring import score_continuations
 from flows.recipe import load_recipe
-from training.model import Transformer
+from training.model.transformer import Transformer
 
 
 def main() -> None:

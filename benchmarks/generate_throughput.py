@@ -1,4 +1,4 @@
-"""Generation with a KV cache: `training/sampling.py` vs `transformers`' `generate` on the exported model.
+"""Generation with a KV cache: `training/model/sampling.py` vs `transformers`' `generate` on the exported model.
 
 Same weights (our model converted as the export converts it), greedy decoding of `--new` tokens after a
 `--prompt`-token prompt, batch `--batch`, KV cache on both sides, fp32, one thread; the two run alternately
@@ -21,9 +21,9 @@ from torch import Tensor
 from train_throughput import WIDE  # this script's directory
 
 from flows.recipe import load_recipe
-from training.hf_interop import build_hf_model, to_hf_state_dict
-from training.model import Transformer
-from training.sampling import generate
+from training.model.hf_interop import build_hf_model, to_hf_state_dict
+from training.model.sampling import generate
+from training.model.transformer import Transformer
 
 
 def main() -> None:

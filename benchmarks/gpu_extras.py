@@ -28,8 +28,8 @@ from train_throughput import (  # this script's directory
 )
 
 from flows.recipe import load_recipe
-from training.export import export_hf
-from training.model import Transformer
+from training.model.export import export_hf
+from training.model.transformer import Transformer
 
 
 def zero_ratio(shape: str, steps: int, device: torch.device, precision: str) -> dict:

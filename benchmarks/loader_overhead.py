@@ -19,7 +19,7 @@ import torch
 from data_pipeline.loader import PackedLoader
 from data_pipeline.tokenize import run_tokenize
 from flows.recipe import load_recipe
-from training.model import Transformer
+from training.model.transformer import Transformer
 
 
 def main() -> None:

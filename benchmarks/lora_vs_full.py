@@ -16,8 +16,8 @@ import torch
 
 from data_pipeline.loader import Batch
 from flows.recipe import load_recipe
-from training.lora import apply_lora, trainable_counts
-from training.model import Transformer
+from training.model.lora import apply_lora, trainable_counts
+from training.model.transformer import Transformer
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -39,7 +39,7 @@ from infra import blob_cache
 from infra.object_store import open_store
 from tests.s3_server import s3_server
 from training.loop import LoopSetup, LoopState, save_checkpoint
-from training.model import Transformer
+from training.model.transformer import Transformer
 
 
 def timed(function, *args):  # noqa: ANN001, ANN202 - a stopwatch

@@ -26,9 +26,9 @@ from data_pipeline.loader import PackedLoader
 from data_pipeline.tokenize import run_tokenize
 from flows.recipe import load_recipe
 from training.loop import optimizer_step
-from training.model import Transformer
+from training.model.transformer import Transformer
 from training.objective import TokenCrossEntropy
-from training.optim import lr_at
+from training.optim.optimizers import lr_at
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "assets" / "corpus" / "stdlib_docstrings.jsonl"
 NAMES = ("adamw", "muon", "soap", "shampoo", "kron", "kfac")

@@ -24,12 +24,12 @@ from data_pipeline.loader import IGNORE_INDEX, Batch
 from data_pipeline.preference import PairBatch
 from flows.recipe import load_recipe
 from training.config import PreferenceLoss
-from training.distill import DistillObjective
 from training.loop import optimizer_step
-from training.model import Transformer
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
+from training.model.transformer import Transformer
 from training.objective import TokenCrossEntropy
-from training.preference import PreferenceObjective
+from training.stages.distill import DistillObjective
+from training.stages.dpo import PreferenceObjective
 
 SEQ, MICRO = 128, 16
 

@@ -15,7 +15,7 @@ import time
 from data_pipeline.tokenize import run_tokenize
 from flows.recipe import load_recipe
 from infra.ray_cluster import ensure_ray
-from training.sweep import run_sweep
+from training.stages.sweep import run_sweep
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ All in one run, one JSON line, per model shape (`demo`, the demo's tiny model, a
 `gpt2-small-like` (124M) and `1b`):
 - `<shape>.ratio_engine_vs_plain`: tokens/s of our step (DeepSpeed engine, 1 worker, ZeRO-0 as by default, eager) over a plain
   loop on the same model, dtype and batch (torch AdamW, clipping, autocast for bf16). Goal >= 0.97.
-- `<shape>.mfu_vs_measured_gemm`: model FLOP/s (6N + attention, `training/accounting.py`) of our step over the
+- `<shape>.mfu_vs_measured_gemm`: model FLOP/s (6N + attention, `training/model/accounting.py`) of our step over the
   machine's GEMM peak measured in this run (the best of a large square GEMM and one at the model's shapes, same
   dtype and threads). Goal >= 0.60 for d_model >= 384. `mfu_compiled` is the same with `parallel.compile=true`;
   on CUDA also `mfu_vs_published_peak` (989 TFLOP/s for H100/H200).
@@ -33,9 +33,9 @@ import torch
 
 from data_pipeline.loader import Batch
 from flows.recipe import load_recipe
-from training.accounting import flops_per_token
-from training.model import Transformer
-from training.model_config import ModelConfig, MoEConfig
+from training.model.accounting import flops_per_token
+from training.model.config import ModelConfig, MoEConfig
+from training.model.transformer import Transformer
 from training.perf import measure_matmul_peak, published_peak
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

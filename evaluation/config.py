@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from data_pipeline.config import DataConfig
 from infra.tracking import TrackingConfig
-from training.compress_config import CompressConfig
+from training.compress.config import CompressConfig
 
 DEFAULT_PROMPTS = ("def ", "import os\n", "class ", '    """Return ')
 LOWER_IS_BETTER = ("loss", "bits_per_byte", "perplexity", "response_loss")

@@ -1,7 +1,7 @@
 """How well FAVOR+ would stand in for a trained softmax model's own attention, layer by layer.
 
 On held-out text, every softmax layer's queries and keys (after RoPE) and values are taken from the model's
-forward pass; FAVOR+ (`training/linear_attention.py`) with m random features replaces the exact causal softmax
+forward pass; FAVOR+ (`training/model/linear_attention.py`) with m random features replaces the exact causal softmax
 attention on those same inputs, and the relative error ‖FAVOR+ − exact‖_F / ‖exact‖_F of the attention outputs
 is averaged over independent draws of the projection. Errors fall roughly like m^(-1/2) until the model's
 attention is too peaked for the positive features (large ‖q‖·‖k‖ inflates the estimator's variance).
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from training.linear_attention import causal_linear_attention, favor_features, orthogonal_features
-from training.model import Attention, Transformer, apply_rope
+from training.model.linear_attention import causal_linear_attention, favor_features, orthogonal_features
+from training.model.transformer import Attention, Transformer, apply_rope
 
 
 def attention_inputs(model: Transformer, batches: list[Tensor]) -> list[list[tuple[Tensor, Tensor, Tensor]]]:

@@ -25,11 +25,11 @@ from evaluation.scoring import generate_text
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_bytes, atomic_write_json, sha256_file
 from infra.tracking import tracked_run
-from training.compress_stage import Compressed, VariantRecord
-from training.hf_interop import load_export
-from training.model import Transformer
-from training.stage import TrainedModel
-from training.variants import load_variant
+from training.compress.variants import load_variant
+from training.model.hf_interop import load_export
+from training.model.transformer import Transformer
+from training.stages.compress import Compressed, VariantRecord
+from training.stages.lifecycle import TrainedModel
 
 FRONTIER_VERSION = 1
 ROW_FIELDS = {  # what a frontier row repeats from the variant's record

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from evaluation.config import EvalConfig
 from evaluation.report import EvalReport
-from training.stage import TrainedModel
+from training.stages.lifecycle import TrainedModel
 
 
 def gate_results(

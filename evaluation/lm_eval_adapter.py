@@ -21,7 +21,7 @@ from lm_eval.api.registry import register_model
 
 from evaluation.model_io import EvalModel
 from evaluation.scoring import generate_text, rolling_windows, score_continuations
-from training.hf_interop import load_export
+from training.model.hf_interop import load_export
 
 
 @register_model("lmforge")

@@ -9,9 +9,9 @@ from tokenizers import Tokenizer
 
 from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import TokenizerRef, describe
-from training.hf_interop import load_export
-from training.model import Transformer
-from training.stage import TrainedModel
+from training.model.hf_interop import load_export
+from training.model.transformer import Transformer
+from training.stages.lifecycle import TrainedModel
 
 
 @dataclass

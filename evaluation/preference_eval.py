@@ -8,7 +8,7 @@ import torch
 from data_pipeline.preference import Pair, encode_side, fit_to_context
 from data_pipeline.sft import padded_rows
 from evaluation.model_io import EvalModel
-from training.preference import sequence_logps
+from training.stages.dpo import sequence_logps
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from evaluation.tasks import Task, load_task, run_task, sft_heldout_task, stdlib
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_bytes, atomic_write_json, sha256_file
 from infra.tracking import tracked_run
-from training.stage import TrainedModel
+from training.stages.lifecycle import TrainedModel
 
 EVAL_VERSION = 2
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from training.model import Transformer
-from training.sampling import generate
+from training.model.sampling import generate
+from training.model.transformer import Transformer
 
 
 @dataclass(frozen=True)

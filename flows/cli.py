@@ -36,10 +36,10 @@ def human_bytes(n: float) -> str:
 
 def cmd_model_summary(args: argparse.Namespace) -> int:
     """Parameters, FLOPs per token and memory per device for a recipe or a Hugging Face config.json."""
-    from training.accounting import summarize
+    from training.model.accounting import summarize
 
     if args.from_hf:
-        from training.hf_interop import load_hf_config
+        from training.model.hf_interop import load_hf_config
 
         model = load_hf_config(args.from_hf).model_dump(mode="json")
         base = {
@@ -73,7 +73,7 @@ def cmd_model_summary(args: argparse.Namespace) -> int:
 
 def cmd_lora_merge(args: argparse.Namespace) -> int:
     """Fold a PEFT adapter into its base Hugging Face export and save the merged model."""
-    from training.lora import merge_adapter_export
+    from training.model.lora import merge_adapter_export
 
     out = merge_adapter_export(Path(args.adapter), Path(args.out), args.base)
     print(f"merged model: {out}")

@@ -13,7 +13,7 @@ from evaluation.scaling_report import ScalingFit
 from infra.registry import RegisteredVersion
 from infra.storage import sha256_file
 from infra.tracking import TrackedRun, open_run
-from training.stage import TrainedModel
+from training.stages.lifecycle import TrainedModel
 
 if TYPE_CHECKING:
     from flows.recipe import Recipe

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from evaluation.config import EvalSpec, FrontierSpec
 from infra.config import Change, ConfigError, apply_overrides, parse_override
 from infra.tracking import TrackingConfig
-from training.compress_config import CompressSpec
+from training.compress.config import CompressSpec
 from training.config import (
     MATRIX_OPTIMIZERS,
     DistillSpec,
@@ -36,7 +36,7 @@ from training.config import (
     check_batch,
     check_context,
 )
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
 
 __all__ = ["ConfigError", "Recipe", "apply_overrides", "load_recipe", "parse_override", "validate_recipe"]
 

@@ -11,10 +11,10 @@ from evaluation.report import EvalReport
 from evaluation.scaling_report import ScalingFit
 from infra.errors import UserError
 from infra.registry import RegisteredVersion, register
-from training.compress_config import QUANTIZED
-from training.compress_stage import Compressed
-from training.hf_interop import load_hf_config, no_llama_layout
-from training.stage import TrainedModel
+from training.compress.config import QUANTIZED
+from training.model.hf_interop import load_hf_config, no_llama_layout
+from training.stages.compress import Compressed
+from training.stages.lifecycle import TrainedModel
 
 if TYPE_CHECKING:
     from flows.recipe import Recipe

@@ -30,8 +30,9 @@ from evaluation.scaling_report import (
 )
 from infra.steps import Step, run_step
 from infra.tracking import existing_run
-from training.stage import TrainedModel, read_metrics
-from training.sweep import SweepResult
+from training.sizing import count_n, run_shape, sized_model
+from training.stages.lifecycle import TrainedModel, read_metrics
+from training.stages.sweep import SweepResult
 
 if TYPE_CHECKING:
     from flows.recipe import Recipe
@@ -144,8 +145,6 @@ def _fit(
 
 def rung_size(recipe: Recipe) -> tuple[float, float]:
     """(N, D) of a recipe's pretraining run under the sweep's parameter-count convention."""
-    from training.sweep import count_n
-
     tokens = (
         recipe.train.global_batch(recipe.parallel.world_size) * recipe.train.seq_len * recipe.train.max_steps
     )
@@ -202,8 +201,6 @@ def size_for_budget(
     """The recipe at the size nearest N* (in log space; depth 1-8, widths in whole kv groups of heads, aspect
     ratio 16-48 like the sweep's shapes), with the sweep's batch, horizon and warmup rules for D = C / (6·N)
     tokens; returns it and a one-line explanation (which flags an N* outside the `swept` sizes)."""
-    from training.sweep import count_n, run_shape, sized_model
-
     step = recipe.model.head_dim * (recipe.model.n_heads // recipe.model.n_kv_heads)  # whole kv groups
     candidates = []
     for depth in range(1, 9):

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 if TYPE_CHECKING:
     from flows.recipe import Recipe
-    from training.stage import TrainedModel
+    from training.stages.lifecycle import TrainedModel
 
 A = TypeVar("A")
 Inputs = dict[str, Any]  # role -> the artifact (or list of models) a stage receives

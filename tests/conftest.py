@@ -101,7 +101,7 @@ def smoke_base(tmp_path_factory):
     from data_pipeline.tokenize import run_tokenize
     from flows.recipe import load_recipe
     from tests.pretrain_helpers import SMOKE_SETTINGS, smoke_overrides
-    from training.pretrain import run_pretrain
+    from training.stages.pretrain import run_pretrain
 
     out = tmp_path_factory.mktemp("smoke")
     recipe = load_recipe("smoke", smoke_overrides(out, *SMOKE_SETTINGS))
@@ -112,7 +112,7 @@ def smoke_base(tmp_path_factory):
 def smoke_lora(smoke_base):
     """(SFT examples, LoRA fine-tune) of the session's smoke model."""
     from flows.stages.sft import sft_data
-    from training.finetune import run_sft
+    from training.stages.sft import run_sft
 
     recipe, base = smoke_base
     examples = sft_data(recipe, base)

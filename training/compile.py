@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from training.model import Transformer
+from training.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 CompileSetting = Literal["auto"] | bool

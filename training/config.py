@@ -20,10 +20,10 @@ from pydantic import (
 )
 
 from infra.tracking import TrackingConfig
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
 
 # Optimisers that precondition whole matrices: they take the blocks' 2-D weights (AdamW the rest) and need to see
-# them as matrices, so neither ZeRO's flat partitions nor μP's per-group rates apply (training/matrix_optim.py).
+# them as matrices, so neither ZeRO's flat partitions nor μP's per-group rates apply (training/optim/matrix.py).
 MATRIX_OPTIMIZERS = ("soap", "shampoo", "kron", "kfac")
 MATRIX_SETTINGS = ("matrix_lr", "precondition_every", "damping")
 

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from data_pipeline.loader import Batch
-from training.model import ModelOutput
-from training.optim import set_lr
+from training.model.transformer import ModelOutput
+from training.optim.optimizers import set_lr
 
 
 class Engine(Protocol):

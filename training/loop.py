@@ -35,9 +35,9 @@ from training import checkpoint as ckpt
 from training import remote_checkpoint
 from training.config import OptimConfig, TrainConfig
 from training.engine import Engine, loss_scale
-from training.moe import RouterStats
+from training.model.moe import RouterStats
 from training.objective import Objective, TokenCrossEntropy
-from training.optim import decay_start, lr_at
+from training.optim.optimizers import decay_start, lr_at
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from data_pipeline.loader import Batch
 from training.engine import Engine
-from training.moe import RouterStats
+from training.model.moe import RouterStats
 
 
 @dataclass

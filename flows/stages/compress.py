@@ -11,13 +11,13 @@ from flows.stage_def import Given, Inputs, StageDef, Toggle
 from flows.stages.evaluate import needs_llama_layout
 from flows.stages.runs import load_model
 from flows.stages.sft import heldout
-from training.compress_config import CompressConfig
+from training.compress.config import CompressConfig
 
 if TYPE_CHECKING:
     from evaluation.frontier import Frontier
     from flows.recipe import Recipe
     from flows.runner import ItemProgress
-    from training.compress_stage import Compressed
+    from training.stages.compress import Compressed
 
 COMPRESSING = Toggle(
     "compress",
@@ -30,13 +30,13 @@ BASE = ("dpo", "sft", "pretrain")  # the model the registry takes
 
 
 def check(recipe: Recipe, inputs: Inputs) -> None:
-    from training.compress_stage import check
+    from training.stages.compress import check
 
     check(recipe.compress_spec(), inputs["base"], inputs["data"])
 
 
 def run(recipe: Recipe, inputs: Inputs, progress: ItemProgress | None) -> Compressed:
-    from training.compress_stage import run_compress
+    from training.stages.compress import run_compress
 
     return run_compress(recipe.compress_spec(), inputs["base"], inputs["data"], progress=progress)
 

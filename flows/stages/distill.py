@@ -14,7 +14,7 @@ from training.config import DistillConfig
 if TYPE_CHECKING:
     from flows.recipe import Recipe
     from flows.runner import StepProgress
-    from training.stage import TrainedModel
+    from training.stages.lifecycle import TrainedModel
 
 DISTILLING = Toggle(
     "distill",
@@ -26,7 +26,7 @@ DISTILLING = Toggle(
 
 
 def run(recipe: Recipe, inputs: Inputs, progress: StepProgress | None) -> TrainedModel:
-    from training.distill import Teacher, run_distill, teacher_from_run
+    from training.stages.distill import Teacher, run_distill, teacher_from_run
 
     teacher = inputs["teacher"]
     teacher = teacher if isinstance(teacher, Teacher) else teacher_from_run(teacher)
@@ -63,7 +63,7 @@ DISTILL: StageDef[TrainedModel] = StageDef(
 def run_baseline(recipe: Recipe, inputs: Inputs, progress: StepProgress | None) -> TrainedModel:
     """The distillation student trained from scratch on the same tokens in the same order (same seed)."""
     from training.config import PretrainSpec
-    from training.pretrain import run_pretrain
+    from training.stages.pretrain import run_pretrain
 
     changes: dict[str, Any] = {"name": f"{recipe.name}-student", "model": recipe.student(), "probe": None}
     spec = recipe.spec(PretrainSpec, **changes, optim=recipe.distill.optim, train=recipe.distill.train)

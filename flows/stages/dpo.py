@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from data_pipeline.preference import PreferenceManifest
     from flows.recipe import Recipe
     from flows.runner import StepProgress
-    from training.preference import ReferenceLogps
-    from training.stage import TrainedModel
+    from training.stages.dpo import ReferenceLogps
+    from training.stages.lifecycle import TrainedModel
 
 BASE = ("sft", "pretrain")  # the fine-tuned model when there is one
 
@@ -40,7 +40,7 @@ def preference_data(recipe: Recipe, base: TrainedModel) -> PreferenceManifest:
 
 
 def reference_logps(recipe: Recipe, base: TrainedModel, pairs: PreferenceManifest) -> ReferenceLogps:
-    from training.preference import run_reference_logps
+    from training.stages.dpo import run_reference_logps
 
     return run_reference_logps(pairs, base, recipe.output_dir)
 
@@ -71,7 +71,7 @@ REFERENCE_LOGPS: StageDef[ReferenceLogps] = StageDef(
 
 
 def run(recipe: Recipe, inputs: Inputs, progress: StepProgress | None) -> TrainedModel:
-    from training.preference import run_dpo
+    from training.stages.dpo import run_dpo
 
     return run_dpo(recipe.dpo_spec(), inputs["base"], inputs["pairs"], inputs["reference"], progress=progress)
 

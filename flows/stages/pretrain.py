@@ -10,11 +10,11 @@ from flows.stage_def import Inputs, StageDef
 if TYPE_CHECKING:
     from flows.recipe import Recipe
     from flows.runner import StepProgress
-    from training.stage import TrainedModel
+    from training.stages.lifecycle import TrainedModel
 
 
 def run(recipe: Recipe, inputs: Inputs, progress: StepProgress | None) -> TrainedModel:
-    from training.pretrain import run_pretrain
+    from training.stages.pretrain import run_pretrain
 
     return run_pretrain(recipe.pretrain_spec(), inputs["data"], progress=progress)
 

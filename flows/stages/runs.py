@@ -11,13 +11,13 @@ from infra.config import ConfigError
 from infra.object_store import is_remote
 
 if TYPE_CHECKING:
-    from training.stage import TrainedModel
+    from training.stages.lifecycle import TrainedModel
 
 
 def load_model(run_dir: str | Path) -> TrainedModel:
     """A finished, intact training run by directory; one line naming the fix when it is missing, unfinished or
     damaged. An object-store URI of a run is pulled to this node first."""
-    from training.stage import TrainedModel
+    from training.stages.lifecycle import TrainedModel
 
     if not is_remote(run_dir) and not Path(run_dir).is_dir():
         raise ConfigError(
@@ -34,7 +34,7 @@ def load_models(run_dirs: Sequence[str]) -> list[tuple[str, TrainedModel]]:
 
 def load_teacher(source: str | Path) -> Any:
     """A distillation teacher: a finished lmforge run directory, or a Hugging Face export directory."""
-    from training.distill import teacher_from_export
+    from training.stages.distill import teacher_from_export
 
     if (Path(source) / "manifest.json").is_file():
         return load_model(source)

@@ -14,11 +14,11 @@ if TYPE_CHECKING:
     from evaluation.scaling_report import ScalingFit
     from flows.recipe import Recipe
     from flows.runner import TrialProgress
-    from training.sweep import SweepResult
+    from training.stages.sweep import SweepResult
 
 
 def run_sweep(recipe: Recipe, inputs: Inputs, progress: TrialProgress | None) -> SweepResult:
-    from training.sweep import run_sweep
+    from training.stages.sweep import run_sweep
 
     return run_sweep(recipe.sweep_spec(), inputs["data"], progress=progress)
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from data_pipeline.sft import SFTManifest
     from flows.recipe import Recipe
     from flows.runner import StepProgress
-    from training.stage import TrainedModel
+    from training.stages.lifecycle import TrainedModel
 
 
 def sft_examples(recipe: Recipe, tokenizer_dir: str | Path, seq_len: int | None = None) -> SFTManifest:
@@ -48,7 +48,7 @@ SFT_DATA: StageDef[SFTManifest] = StageDef(
 
 
 def run(recipe: Recipe, inputs: Inputs, progress: StepProgress | None) -> TrainedModel:
-    from training.finetune import run_sft
+    from training.stages.sft import run_sft
 
     return run_sft(recipe.sft_spec(), inputs["base"], inputs["data"], progress=progress)
 

@@ -21,8 +21,9 @@ from flows.recipe import load_recipe
 from infra.services import free_port, start_mlflow, start_prefect, stop
 from infra.storage import sha256_file
 from tests.pretrain_helpers import clean_env, lmforge_command, smoke_overrides, with_sets
-from training.model_config import ModelConfig
-from training.sweep import count_n, plan_trials
+from training.model.config import ModelConfig
+from training.sizing import count_n
+from training.stages.sweep import plan_trials
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 EVAL = ["eval.max_documents=20", "eval.builtin_questions=20", "data.sft.max_examples=300"]

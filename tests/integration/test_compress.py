@@ -170,8 +170,8 @@ def trained_small(tokenized):
     """A 2-layer model trained 300 AdamW steps on the small stdlib dataset (where 3-bit weights cost loss),
     with calibration and held-out batches."""
     from data_pipeline.loader import PackedLoader
-    from training.model import Transformer
-    from training.model_config import ModelConfig
+    from training.model.config import ModelConfig
+    from training.model.transformer import Transformer
 
     data, _ = tokenized
     cfg = ModelConfig(
@@ -193,8 +193,8 @@ def trained_small(tokenized):
 
 @pytest.mark.parametrize("bits", [3, 2])
 def test_gptq_beats_round_to_nearest_on_heldout_loss(trained_small, bits: int) -> None:
-    from training.compress import layer_hessians, quantize_model
-    from training.export import mean_loss
+    from training.compress.model_level import layer_hessians, quantize_model
+    from training.model.export import mean_loss
 
     model, calibration, heldout = trained_small
     full = mean_loss(model, heldout)

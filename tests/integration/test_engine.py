@@ -13,9 +13,9 @@ from data_pipeline.shards import DatasetManifest
 from flows.recipe import load_recipe
 from infra.tracking import NullTracker
 from training.loop import LoopSetup, LoopState, TrainingHalted, train_loop
-from training.model import ModelOutput, Transformer
-from training.model_config import MoEConfig
-from training.moe import MoE
+from training.model.config import MoEConfig
+from training.model.moe import MoE
+from training.model.transformer import ModelOutput, Transformer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

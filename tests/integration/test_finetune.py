@@ -25,8 +25,8 @@ from tests.pretrain_helpers import (
     with_sets,
 )
 from training import checkpoint as ckpt
-from training.finetune import build_model, run_sft
-from training.stage import TrainedModel
+from training.stages.lifecycle import TrainedModel
+from training.stages.sft import build_model, run_sft
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -130,7 +130,7 @@ def test_exact_match_is_what_transformers_generates(smoke_lora, base: tuple[Trai
     from data_pipeline.sft import render
     from data_pipeline.tokenizer import describe
     from evaluation.model_io import load_for_eval
-    from training.finetune import exact_match, heldout_examples
+    from training.stages.sft import exact_match, heldout_examples
 
     examples, lora = smoke_lora
     spec = load_recipe("smoke", smoke_overrides(base[1], *SMOKE_SETTINGS)).sft_spec()

@@ -73,8 +73,8 @@ def test_pipeline_on_object_storage(s3, straight: Path) -> None:
     from flows.recipe import load_recipe
     from flows.stages.runs import load_model
     from flows.stages.sft import sft_data
-    from training.finetune import run_sft
-    from training.pretrain import run_pretrain
+    from training.stages.pretrain import run_pretrain
+    from training.stages.sft import run_sft
 
     uri = "s3://lmforge/straight"
     recipe = load_recipe("smoke", smoke_overrides(uri, *STEPS))

@@ -25,8 +25,8 @@ from tests.pretrain_helpers import (
     with_sets,
 )
 from training import checkpoint as ckpt
-from training.distill import run_distill, teacher_from_run
-from training.preference import run_dpo
+from training.stages.distill import run_distill, teacher_from_run
+from training.stages.dpo import run_dpo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TRL_METRICS = (

@@ -22,8 +22,8 @@ from tests.pretrain_helpers import (
     with_sets,
 )
 from training import checkpoint as ckpt
-from training.pretrain import run_pretrain
-from training.stage import TrainedModel
+from training.stages.lifecycle import TrainedModel
+from training.stages.pretrain import run_pretrain
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -85,8 +85,8 @@ def test_training_learns_and_tracks_in_mlflow(golden_run: TrainedModel) -> None:
 def test_hf_export_gives_our_logits(golden_run: TrainedModel) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from training.model import Transformer
-    from training.model_config import ModelConfig
+    from training.model.config import ModelConfig
+    from training.model.transformer import Transformer
     from training.parallel import fp32_state_dict
 
     assert golden_run.export_valid and golden_run.max_abs_logit_diff < 1e-5
@@ -105,8 +105,8 @@ def test_export_must_reproduce_the_engines_validation_loss(golden_run: TrainedMo
     wrong between engine and export (a bad ZeRO gather, say) make it invalid."""
     from data_pipeline.loader import PackedLoader
     from data_pipeline.shards import DatasetManifest
-    from training.export import EngineCheck, export_hf
-    from training.model_config import ModelConfig
+    from training.model.config import ModelConfig
+    from training.model.export import EngineCheck, export_hf
     from training.parallel import fp32_state_dict
 
     record = json.loads((Path(golden_run.hf_export) / "export.json").read_text())

@@ -12,7 +12,7 @@ from data_pipeline.tokenize import run_tokenize
 from flows.recipe import load_recipe
 from infra.tracking import tracking_uri
 from tests.pretrain_helpers import cli, smoke_overrides, with_sets
-from training.sweep import plan_trials, run_sweep
+from training.stages.sweep import plan_trials, run_sweep
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -7,17 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.accounting import count_parameters
-from training.hf_interop import (
+from training.model.accounting import count_parameters
+from training.model.config import ModelConfig, MoEConfig, MuPConfig
+from training.model.hf_interop import (
     build_hf_model,
     hf_config_kwargs,
     load_hf_config,
     model_config_from_hf,
     to_hf_state_dict,
 )
-from training.model import Transformer
-from training.model_config import ModelConfig, MoEConfig, MuPConfig
-from training.sampling import generate
+from training.model.sampling import generate
+from training.model.transformer import Transformer
 
 pytestmark = pytest.mark.parity
 
@@ -132,8 +132,8 @@ def test_mup_lora_adapter_loads_on_the_folded_export(tmp_path: Path) -> None:
     from peft import PeftModel
 
     from training.config import LoraSettings
-    from training.hf_interop import query_fold
-    from training.lora import apply_lora, save_adapter
+    from training.model.hf_interop import query_fold
+    from training.model.lora import apply_lora, save_adapter
 
     cfg = TINY_CONFIGS["llama-mup-tied"]
     ours, theirs = paired(cfg, seed=3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from training.linear_attention import causal_linear_attention, favor_features, orthogonal_features
+from training.model.linear_attention import causal_linear_attention, favor_features, orthogonal_features
 
 
 def inputs(generator: torch.Generator, d: int = 16, t: int = 40) -> tuple[torch.Tensor, ...]:

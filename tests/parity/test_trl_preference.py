@@ -19,12 +19,12 @@ from data_pipeline.sft import render, sft_examples
 from data_pipeline.sources import split_of
 from flows.stages.dpo import preference_data, reference_logps
 from training.config import PreferenceLoss
-from training.distill import DistillObjective, generalized_jsd
 from training.engine import PlainEngine
-from training.hf_interop import load_export
-from training.model import Transformer
-from training.model_config import ModelConfig
-from training.preference import PreferenceObjective, run_dpo, sequence_logps
+from training.model.config import ModelConfig
+from training.model.hf_interop import load_export
+from training.model.transformer import Transformer
+from training.stages.distill import DistillObjective, generalized_jsd
+from training.stages.dpo import PreferenceObjective, run_dpo, sequence_logps
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
 BETA = 0.1

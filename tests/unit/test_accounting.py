@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.accounting import (
+from training.model.accounting import (
     count_parameters,
     flops_per_token,
     kv_cache_bytes,
     training_memory,
 )
-from training.model import Transformer
-from training.model_config import ModelConfig, MoEConfig
+from training.model.config import ModelConfig, MoEConfig
+from training.model.transformer import Transformer
 
 BASE = ModelConfig(
     vocab_size=512, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=344, max_seq_len=256

@@ -12,12 +12,13 @@ PACKAGES = ("flows", "training", "data_pipeline", "evaluation", "infra")
 # Lower layers never import higher ones: infra < data_pipeline < training < evaluation < flows.
 LAYERS = {"infra": 0, "data_pipeline": 1, "training": 2, "evaluation": 3, "flows": 4}
 LIBRARIES = ("infra", "data_pipeline", "training", "evaluation")
-MODEL_CODE = ("training/model.py", "training/moe.py", "training/sampling.py", "training/accounting.py")
+# the model package (configuration, transformer, MoE, sampling, accounting, LoRA, the Hugging Face mapping)
+MODEL_CODE = tuple(sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "training" / "model").glob("*.py")))
 # Only these modules may import the library on the left (paths relative to the repository root).
 OWNERS = {
     "deepspeed": {"training/parallel/"},
     "ray.train": {"training/launch.py"},
-    "ray.tune": {"training/sweep.py"},
+    "ray.tune": {"training/stages/sweep.py"},
     "mlflow": {"infra/"},
     "prefect": {"flows/", "infra/"},
 }

@@ -11,7 +11,7 @@ import pytest
 
 from flows.cli import main
 from flows.recipe import load_recipe
-from training.accounting import count_parameters
+from training.model.accounting import count_parameters
 
 HF_CONFIGS = Path(__file__).resolve().parents[1] / "assets" / "hf_configs"
 

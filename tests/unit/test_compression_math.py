@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.lowrank import factorize, rank_for_energy
-from training.quantize import gptq, grid, hessian, quantize_columns, rtn
+from training.compress.lowrank import factorize, rank_for_energy
+from training.compress.quantize import gptq, grid, hessian, quantize_columns, rtn
 
 
 def correlated_inputs(n: int, d: int, generator: torch.Generator) -> torch.Tensor:
@@ -101,9 +101,9 @@ def test_rank_is_chosen_by_retained_energy_and_bounded(generator: torch.Generato
 def test_model_level_hessians_and_quantization(generator: torch.Generator) -> None:
     """Hooks collect each block linear's inputs (q_proj sees the normed hidden states); quantization replaces
     exactly those layers' weights (LM head and embeddings stay), and GPTQ asks for calibration first."""
-    from training.compress import layer_hessians, linear_layers, quantize_model
-    from training.model import Transformer
-    from training.model_config import ModelConfig
+    from training.compress.model_level import layer_hessians, linear_layers, quantize_model
+    from training.model.config import ModelConfig
+    from training.model.transformer import Transformer
 
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=64, max_seq_len=16)
     model = Transformer(cfg, seed=0)

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.compress import linear_layers, model_bytes
-from training.compress_config import VariantConfig
-from training.export import export_hf, probe_tokens
-from training.model import Transformer
-from training.model_config import ModelConfig
-from training.prune import n_m_mask
-from training.quantize import pack_codes, unpack_codes
-from training.variants import build_variant, load_variant, lowrank_ranks, save_variant, weight_files
+from training.compress.config import VariantConfig
+from training.compress.model_level import linear_layers, model_bytes
+from training.compress.prune import n_m_mask
+from training.compress.quantize import pack_codes, unpack_codes
+from training.compress.variants import build_variant, load_variant, lowrank_ranks, save_variant, weight_files
+from training.model.config import ModelConfig
+from training.model.export import export_hf, probe_tokens
+from training.model.transformer import Transformer
 
 CFG = ModelConfig(
     vocab_size=64,
@@ -178,7 +178,7 @@ def test_bad_settings_are_refused_naming_the_problem(tiny):
 
 def test_a_damaged_variant_is_rebuilt_not_read(tiny, tmp_path):
     """A finished stage whose packed codes were truncated afterwards is damaged; the stage rebuilds that variant."""
-    from training.compress_stage import VariantRecord, record_of
+    from training.stages.compress import VariantRecord, record_of
 
     model, export, calibration = tiny
     variant = VariantConfig(method="gptq", bits=3, group_size=16)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from flows.recipe import CONFIG_DIR, ConfigError, apply_overrides, load_recipe, parse_override
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
 
 RECIPES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 

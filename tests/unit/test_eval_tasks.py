@@ -17,11 +17,11 @@ from evaluation.model_io import EvalModel, load_for_eval
 from evaluation.scoring import rolling_windows, score_continuations
 from evaluation.spectra import effective_rank
 from evaluation.tasks import Task, load_task, run_task, stdlib_import_task
-from training.export import export_hf
-from training.hf_interop import load_export
-from training.model import Transformer
-from training.model_config import ModelConfig
-from training.stage import TrainedModel
+from training.model.config import ModelConfig
+from training.model.export import export_hf
+from training.model.hf_interop import load_export
+from training.model.transformer import Transformer
+from training.stages.lifecycle import TrainedModel
 
 CFG = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32)
 
@@ -174,7 +174,7 @@ def test_describe_of_export_matches_training_tokenizer(export, tokenized):
 
 def test_expert_load_shares_sum_to_one_per_layer():
     from evaluation.spectra import expert_load, load_imbalance, weight_spectra
-    from training.model_config import MoEConfig
+    from training.model.config import MoEConfig
 
     cfg = ModelConfig(vocab_size=64, **CFG, moe=MoEConfig(n_experts=4, top_k=2, d_ff_expert=32))
     model = Transformer(cfg, seed=1).eval()

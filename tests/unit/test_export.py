@@ -8,9 +8,9 @@ import torch
 
 from data_pipeline.config import END_OF_TURN
 from data_pipeline.tokenizer import describe
-from training.export import export_hf
-from training.model import Transformer
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
+from training.model.export import export_hf
+from training.model.transformer import Transformer
 
 
 def test_transformers_generation_stops_at_end_of_text(tokenized, tmp_path) -> None:
@@ -39,7 +39,7 @@ def test_linear_attention_exports_in_lmforges_layout_which_hugging_face_refuses(
     import pytest
     from transformers import AutoModelForCausalLM
 
-    from training.hf_interop import build_hf_model, load_export
+    from training.model.hf_interop import build_hf_model, load_export
 
     manifest, _ = tokenized
     cfg = ModelConfig(

@@ -1,4 +1,4 @@
-"""K-FAC (`training/kfac.py`): its factors and preconditioned gradients against explicit computations and
+"""K-FAC (`training/optim/kfac.py`): its factors and preconditioned gradients against explicit computations and
 against curvlinops' `KFACLinearOperator` / `KFACInverseLinearOperator` (test-only extra) on a tiny transformer,
 and its state through a checkpoint round trip."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from training.kfac import KFAC
-from training.model import Transformer
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
+from training.model.transformer import Transformer
+from training.optim.kfac import KFAC
 
 
 def mlp(generator: torch.Generator) -> nn.Sequential:

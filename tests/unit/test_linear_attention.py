@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.linear_attention import (
+from training.model.linear_attention import (
     LinearState,
     causal_linear_attention,
     elu_features,
@@ -87,8 +87,8 @@ def test_favor_error_on_a_models_own_attention_falls_with_the_feature_count() ->
     q, k after RoPE are the model's (the captured exact attention reproduces the layer), and more features give
     a smaller error; a linear-attention model is refused."""
     from evaluation.favor_error import favor_error
-    from training.model import Transformer
-    from training.model_config import ModelConfig
+    from training.model.config import ModelConfig
+    from training.model.transformer import Transformer
 
     cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=48, max_seq_len=64)
     model = Transformer(cfg, seed=0).eval()

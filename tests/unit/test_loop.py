@@ -14,8 +14,8 @@ from infra.tracking import NullTracker
 from training.config import OptimConfig, TrainConfig
 from training.engine import PlainEngine, loss_scale
 from training.loop import LoopSetup, LoopState, train_loop
-from training.model import Transformer
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
+from training.model.transformer import Transformer
 from training.objective import Outcome
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=16)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from training.config import LoraSettings
-from training.lora import apply_lora, check_targets, merged_state_dict, trainable_counts
-from training.model import Transformer
-from training.model_config import ModelConfig, MoEConfig
+from training.model.config import ModelConfig, MoEConfig
+from training.model.lora import apply_lora, check_targets, merged_state_dict, trainable_counts
+from training.model.transformer import Transformer
 
 CFG = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 

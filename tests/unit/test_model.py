@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.model import IGNORE_INDEX, Transformer, apply_rope, rope_tables
-from training.model_config import ModelConfig, MoEConfig
-from training.moe import MoE
-from training.sampling import filter_logits, generate
+from training.model.config import ModelConfig, MoEConfig
+from training.model.moe import MoE
+from training.model.sampling import filter_logits, generate
+from training.model.transformer import IGNORE_INDEX, Transformer, apply_rope, rope_tables
 
 DENSE = ModelConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 MOE = DENSE.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=48)})

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from training.model import FeedForward
-from training.model_config import MoEConfig
-from training.moe import MoE, TopKRouter
+from training.model.config import MoEConfig
+from training.model.moe import MoE, TopKRouter
+from training.model.transformer import FeedForward
 
 
 def test_one_expert_top1_equals_dense_ffn(generator: torch.Generator) -> None:

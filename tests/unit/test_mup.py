@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from training.config import OptimConfig
-from training.model import Transformer
-from training.model_config import ModelConfig, MuPConfig
-from training.optim import param_groups, set_lr
+from training.model.config import ModelConfig, MuPConfig
+from training.model.transformer import Transformer
+from training.optim.optimizers import param_groups, set_lr
 
 WIDTHS = (32, 64, 128, 256)
 

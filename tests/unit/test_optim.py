@@ -7,9 +7,9 @@ import math
 import pytest
 
 from training.config import OptimConfig
-from training.model import Transformer
-from training.model_config import ModelConfig, MoEConfig
-from training.optim import lr_at, param_groups
+from training.model.config import ModelConfig, MoEConfig
+from training.model.transformer import Transformer
+from training.optim.optimizers import lr_at, param_groups
 
 STEPS = 100
 

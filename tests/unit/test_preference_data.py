@@ -29,7 +29,7 @@ from data_pipeline.shards import DatasetManifest
 from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import TokenizerRef, describe
 from training.config import PreferenceLoss
-from training.preference import pair_losses, sequence_logps
+from training.stages.dpo import pair_losses, sequence_logps
 
 CONVERSATIONS = [
     [
@@ -185,9 +185,9 @@ def test_a_non_finite_preference_loss_is_skipped_by_the_loops_guard(generator: t
     guard skips the step (learning rate 0, weights untouched), as for any objective."""
     from training.engine import PlainEngine
     from training.loop import optimizer_step
-    from training.model import Transformer
-    from training.model_config import ModelConfig
-    from training.preference import PreferenceObjective
+    from training.model.config import ModelConfig
+    from training.model.transformer import Transformer
+    from training.stages.dpo import PreferenceObjective
 
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64, max_seq_len=16)
     model = Transformer(cfg, seed=0)

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.humaneval import TaskPair, humaneval_pairs, problems
-from training.model import Transformer
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
+from training.model.transformer import Transformer
 from training.probe import TaskProbe
 
 CFG = ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64, max_seq_len=64)

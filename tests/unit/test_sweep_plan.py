@@ -10,7 +10,8 @@ import pytest
 from evaluation.scaling_data import ScalingDataError
 from flows.recipe import load_recipe
 from flows.scaling import rung_size, size_for_budget, sweep_points
-from training.sweep import count_n, plan_trials
+from training.sizing import count_n
+from training.stages.sweep import plan_trials
 
 
 def demo(*overrides: str):
@@ -96,7 +97,7 @@ def test_nan_and_negative_losses_are_dropped_and_counted(tmp_path):
 def test_a_failed_fit_is_never_cached(tmp_path):
     """The fit of a sweep whose runs all diverged refuses, and leaves no fit.json to be taken as finished."""
     from flows.scaling import fit_sweep
-    from training.sweep import SweepResult
+    from training.stages.sweep import SweepResult
 
     path = results_table(tmp_path, ["diverged"] * 4, [None] * 4)
     sweep = SweepResult(

@@ -2,7 +2,7 @@
 
 `process_group`: the accelerator and the process group; `engine`: the generated DeepSpeed config and the `Engine`
 the loop drives; `expert_parallel`: DeepSpeed's expert-parallel MoE layer behind our MoE interface; `weights`:
-fp32 weights read back from DeepSpeed checkpoints. The optimiser itself comes from `training/optim.py`.
+fp32 weights read back from DeepSpeed checkpoints. The optimiser itself comes from `training/optim/optimizers.py`.
 
 References: Rajbhandari et al. 2020 (ZeRO); Rajbhandari et al. 2022 (DeepSpeed-MoE, expert parallelism).
 """

@@ -1,5 +1,5 @@
 """The DeepSpeed engine behind the loop's `Engine` interface: the generated DeepSpeed config (ZeRO, precision,
-accumulation, clipping), the optimiser from `training/optim.py`, activation checkpointing and the expert-parallel
+accumulation, clipping), the optimiser from `training/optim/optimizers.py`, activation checkpointing and the expert-parallel
 swap applied before `deepspeed.initialize`, and checkpoint save/load of module, optimiser and step counters.
 """
 
@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from data_pipeline.loader import Batch
 from training.compile import maybe_compile
 from training.config import OptimConfig, ParallelConfig, TrainConfig
-from training.model import ModelOutput, Transformer
-from training.optim import BuiltByDeepSpeed, build_optimizer, param_groups, set_lr
+from training.model.transformer import ModelOutput, Transformer
+from training.optim.optimizers import BuiltByDeepSpeed, build_optimizer, param_groups, set_lr
 from training.parallel.expert_parallel import swap_in_expert_parallel
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def _clip_grad_norm(module: nn.Module, max_norm: float) -> float:
 def build_engine(
     model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, train: TrainConfig
 ) -> DeepSpeedEngine:
-    """deepspeed.initialize over our parameter groups and the optimiser `training/optim.py` builds."""
+    """deepspeed.initialize over our parameter groups and the optimiser `training/optim/optimizers.py` builds."""
     import deepspeed
 
     if parallel.ep_size > 1:

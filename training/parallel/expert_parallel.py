@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from training.model import Transformer
-from training.model_config import MoEConfig
-from training.moe import MoE, RouterStats
+from training.model.config import MoEConfig
+from training.model.moe import MoE, RouterStats
+from training.model.transformer import Transformer
 
 
 class _ExpertFFN(nn.Module):

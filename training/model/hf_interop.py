@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from data_pipeline.sources import DataError
-from training.model import Transformer
-from training.model_config import ModelConfig, MoEConfig
+from training.model.config import ModelConfig, MoEConfig
+from training.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from data_pipeline.config import END_OF_TURN
 from data_pipeline.loader import IGNORE_INDEX, Batch
 from data_pipeline.tokenizer import describe
 from infra.storage import atomic_write_json, damaged_file, file_records
-from training.hf_interop import NATIVE_CONFIG, build_hf_model, load_export, to_hf_state_dict
-from training.model import Transformer
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
+from training.model.hf_interop import NATIVE_CONFIG, build_hf_model, load_export, to_hf_state_dict
+from training.model.transformer import Transformer
 
 TOLERANCE = 1e-4  # fp32 logits; the parity tests see ~1e-7
 # relative difference allowed between the engine's validation loss (in its precision) and the fp32 export's;

@@ -1,5 +1,5 @@
 """The compress stage: `run_compress(spec, base, data) -> Compressed`, one trained model into several compressed
-variants (`training/variants.py`), each saved with a verified export and measured for size.
+variants (`training/compress/variants.py`), each saved with a verified export and measured for size.
 
 Calibration (GPTQ's Hessians, Wanda's input norms) is a fixed sample of the recipe's own token shards: `sequences`
 windows of the model's context from the train split, drawn with `seed`, recorded by the sha256 of their token
@@ -25,12 +25,19 @@ from data_pipeline.shards import DatasetManifest
 from data_pipeline.sources import DataError
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json, damaged_file, sha256_file
-from training.compress import model_bytes
-from training.compress_config import CalibrationConfig, CompressSpec
-from training.export import export_damage, read_verification
-from training.hf_interop import load_export, load_hf_config, no_llama_layout
-from training.stage import TrainedModel
-from training.variants import FACTORS, PACKED, build_variant, check_shapes, save_variant, weight_files
+from training.compress.config import CalibrationConfig, CompressSpec
+from training.compress.model_level import model_bytes
+from training.compress.variants import (
+    FACTORS,
+    PACKED,
+    build_variant,
+    check_shapes,
+    save_variant,
+    weight_files,
+)
+from training.model.export import export_damage, read_verification
+from training.model.hf_interop import load_export, load_hf_config, no_llama_layout
+from training.stages.lifecycle import TrainedModel
 
 log = logging.getLogger(__name__)
 COMPRESS_VERSION = 1

@@ -4,7 +4,7 @@ schedules as pure functions of the config. A new optimiser touches `OptimConfig.
 AdamW (Loshchilov & Hutter 2019) with decoupled weight decay on matrices only: no decay on norms, biases or the
 embedding. Muon (Jordan et al. 2024) is DeepSpeed's: it takes every matrix but the embedding and the head
 (DeepSpeed tags them itself) and runs AdamW on the rest, keeping these two groups' weight decay. The matrix
-optimisers (SOAP, Shampoo, PSGD-Kron, K-FAC: `training/matrix_optim.py`) take the blocks' 2-D weights as a
+optimisers (SOAP, Shampoo, PSGD-Kron, K-FAC: `training/optim/matrix.py`) take the blocks' 2-D weights as a
 `matrix` group at `matrix_lr`, with AdamW on the rest. Schedules: linear warmup, then cosine decay to
 `min_lr_ratio · lr` (Loshchilov & Hutter 2017), or warmup-stable-decay with a linear decay over the last
 `decay_fraction` of steps (Hu et al. 2024, MiniCPM).
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from training.config import MATRIX_OPTIMIZERS, OptimConfig
-from training.matrix_optim import MATRIX_GROUP, build_chain
-from training.model import is_hidden
+from training.model.transformer import is_hidden
+from training.optim.matrix import MATRIX_GROUP, build_chain
 
 
 def no_decay(name: str, param: nn.Parameter) -> bool:
@@ -103,7 +103,7 @@ def build_optimizer(
             )
         params = {"lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
         return BuiltByDeepSpeed({"type": "Muon", "params": params})
-    raise ValueError(f"optim.name={cfg.name!r} has no builder in training/optim.py")
+    raise ValueError(f"optim.name={cfg.name!r} has no builder in training/optim/optimizers.py")
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from tokenizers import Tokenizer
@@ -24,28 +22,25 @@ from torch import nn
 from data_pipeline.config import END_OF_TURN
 from data_pipeline.loader import SampledLoader
 from data_pipeline.sft import Messages, SFTLoader, SFTManifest, render
-from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import describe
 from infra.steps import Artifact
 from infra.storage import atomic_write_json
 from infra.tracking import Tracker
-from training.config import LoraSettings, SFTSpec
-from training.export import export_hf
-from training.hf_interop import query_fold
+from training.config import SFTSpec
 from training.loop import Batches
-from training.lora import apply_lora, merged_state_dict, save_adapter, trainable_counts
-from training.model import Transformer
-from training.model_config import ModelConfig
-from training.sampling import generate
-from training.stage import (
+from training.model.config import ModelConfig
+from training.model.lora import apply_lora
+from training.model.sampling import generate
+from training.model.transformer import Transformer
+from training.stages.lifecycle import (
     Progress,
     TrainedModel,
     TrainingJob,
     TrainingStage,
     run_training_stage,
-    trained_model,
     val_losses,
 )
+from training.stages.tuning import check_examples, export_tuned
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +60,6 @@ def build_model(base: TrainedModel, spec: SFTSpec) -> nn.Module:
     return apply_lora(model, spec.lora) if spec.method == "lora" else model
 
 
-def check_examples(base: TrainedModel, data: Artifact, seq_len: int, what: str, section: str) -> None:
-    """Encoded examples (SFT or preference pairs) must use the base's tokenizer and the stage's sequence length."""
-    if base.tokenizer_digest != data.tokenizer_digest:
-        raise DataError(
-            f"the base model was trained with tokenizer {base.tokenizer_digest[:16]}... but the {what} {data.path} "
-            f"was made with {data.tokenizer_digest[:16]}...; rebuild the {what} with the base's tokenizer"
-        )
-    if data.seq_len != seq_len:
-        raise DataError(
-            f"the {what} has seq_len={data.seq_len}, {section}.train.seq_len={seq_len}; rebuild it with the "
-            f"{section} sequence length"
-        )
-
-
 class SFT(TrainingStage):
     name = "sft"
     version = 2
@@ -86,7 +67,7 @@ class SFT(TrainingStage):
     def check(self, spec: SFTSpec, inputs: Mapping[str, Artifact]) -> None:
         base, data = inputs["base"], inputs["data"]
         assert isinstance(base, TrainedModel) and isinstance(data, SFTManifest)
-        check_examples(base, data, spec.train.seq_len, "SFT data", "finetune")
+        check_examples(base, data, spec.train.seq_len, "SFT data", "sft")
 
     def run_name(self, spec: SFTSpec) -> str:
         return f"{spec.name}-{spec.method}"
@@ -145,77 +126,6 @@ class SFT(TrainingStage):
             tokenizer_digest=base.tokenizer_digest,
             base_run_dir=base.path,
         )
-
-
-@dataclass
-class Tuned:
-    """A fine-tuned model's final weights: the verified export, the adapter (LoRA), the model itself."""
-
-    model: Transformer  # the tuned weights (merged for LoRA), fp32
-    verification: dict[str, Any]
-    adapter_dir: Path | None
-    trainable: int
-    total: int
-
-    def counts(self, prefix: str) -> dict[str, float]:
-        return {
-            f"{prefix}/trainable_params": float(self.trainable),
-            f"{prefix}/trainable_fraction": self.trainable / self.total,
-        }
-
-    def trained_model(
-        self,
-        job: TrainingJob,
-        final: Path,
-        tracker: Tracker,
-        kind: str,
-        summary: dict[str, float],
-        **fields: Any,
-    ) -> TrainedModel:
-        """The run's artifact (the adapter logged and recorded when there is one)."""
-        if self.adapter_dir is not None:
-            tracker.log_artifact(self.adapter_dir, "adapter")
-        adapter = str(self.adapter_dir.resolve()) if self.adapter_dir else None
-        model = self.model.cfg.model_dump(mode="json")
-        return trained_model(
-            job,
-            final,
-            tracker,
-            kind,
-            self.verification,
-            summary,
-            model=model,
-            adapter=adapter,
-            summary=summary,
-            **fields,
-        )
-
-
-def export_tuned(
-    job: TrainingJob, final: Path, base: Transformer, method: str, lora: LoraSettings, base_export: str
-) -> Tuned:
-    """Load the final checkpoint onto `base` (wrapped in LoRA first when `method` is lora; `base` is changed in
-    place), save the adapter pointing at `base_export`, and write the verified merged export to `<run>/hf`."""
-    from training.parallel import fp32_state_dict
-
-    cfg = base.cfg
-    state = fp32_state_dict(final, tie_embeddings=False)
-    tuned = apply_lora(base, lora) if method == "lora" else base
-    trainable, total = trainable_counts(tuned)
-    adapter_dir = None
-    if method == "lora":
-        tuned.load_state_dict(state, strict=True)
-        adapter_dir = job.run_dir / "adapter"
-        save_adapter(tuned, adapter_dir, base_export, query_fold(cfg))
-        weights = merged_state_dict(tuned)
-    else:
-        weights = state
-        if cfg.tie_embeddings:
-            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    verification = export_hf(weights, cfg, base_export, job.run_dir / "hf")
-    model = Transformer(cfg, seed=None)
-    model.load_state_dict(weights, strict=True)
-    return Tuned(model.eval(), verification, adapter_dir, trainable, total)
 
 
 SFT_STAGE = SFT()

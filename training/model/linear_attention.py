@@ -1,4 +1,4 @@
-"""Causal attention in O(T) memory: the cores behind `model.attention: linear | favor` (`training/model.py`).
+"""Causal attention in O(T) memory: the cores behind `model.attention: linear | favor` (`training/model/transformer.py`).
 
 Linear attention (Katharopoulos et al. 2020) replaces softmax(qᵀk) by a kernel φ(q)ᵀφ(k) with a positive feature
 map φ, so causal attention becomes running sums: out_t = φ(q_t)ᵀ S_t / φ(q_t)ᵀ z_t with S_t = Σ_{s≤t} φ(k_s) v_sᵀ
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-CHUNK = 64  # tokens per chunk of `causal_linear_attention` (training/accounting.py counts its FLOPs)
+CHUNK = 64  # tokens per chunk of `causal_linear_attention` (training/model/accounting.py counts its FLOPs)
 
 
 def elu_features(x: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from training.config import LoraSettings
-from training.model import Transformer
+from training.model.transformer import Transformer
 
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 

@@ -28,14 +28,21 @@ from infra.storage import MANIFEST, atomic_write_bytes, atomic_write_json
 from infra.tracking import Tracker
 from training.config import DPOSpec, PreferenceLoss
 from training.engine import Engine
-from training.finetune import check_examples, export_tuned
-from training.hf_interop import load_export, load_hf_config
 from training.loop import Batches
-from training.lora import apply_lora
-from training.model import Transformer
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
+from training.model.hf_interop import load_export, load_hf_config
+from training.model.lora import apply_lora
+from training.model.transformer import Transformer
 from training.objective import Outcome
-from training.stage import Progress, TrainedModel, TrainingJob, TrainingStage, run_training_stage, val_losses
+from training.stages.lifecycle import (
+    Progress,
+    TrainedModel,
+    TrainingJob,
+    TrainingStage,
+    run_training_stage,
+    val_losses,
+)
+from training.stages.tuning import check_examples, export_tuned
 
 REFERENCE_VERSION = 1
 

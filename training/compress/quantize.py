@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from training.compress_config import SUPPORTED_BITS
+from training.compress.config import SUPPORTED_BITS
 
 
 @dataclass(frozen=True)

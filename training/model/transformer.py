@@ -2,9 +2,9 @@
 
 References: Vaswani et al. 2017 (transformer); Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoPE, here in
 the Hugging Face `rotate_half` layout, so q/k need no permutation on export); Ainslie et al. 2023 (grouped-query
-attention); Shazeer 2020 (SwiGLU); Touvron et al. 2023 (Llama block layout). MoE layers: see `training/moe.py`.
+attention); Shazeer 2020 (SwiGLU); Touvron et al. 2023 (Llama block layout). MoE layers: see `training/model/moe.py`.
 `attention: linear | favor` swaps softmax attention for causal linear attention (elu + 1 features) or FAVOR+
-random features (`training/linear_attention.py`, on the rotated q, k), with a fixed-size state for generation;
+random features (`training/model/linear_attention.py`, on the rotated q, k), with a fixed-size state for generation;
 such a model has no Llama layout (`has_llama_layout`).
 
 Module names are Hugging Face's (`model.layers.{i}.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...):
@@ -23,15 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.linear_attention import (
+from training.model.config import ModelConfig
+from training.model.linear_attention import (
     LinearState,
     causal_linear_attention,
     elu_features,
     favor_features,
     orthogonal_features,
 )
-from training.model_config import ModelConfig
-from training.moe import MoE, RouterStats
+from training.model.moe import MoE, RouterStats
 
 IGNORE_INDEX = -100  # targets with this value carry no loss (padding, prompt tokens in SFT)
 

@@ -50,7 +50,7 @@ class MuPConfig(BaseModel):
     are multiplied by `output_mult` / m, attention scores use `attn_mult` / head_dim (not 1/sqrt(head_dim)), and
     embeddings, norms and the readout keep the base learning rate. At m = 1 the model is the standard one
     (up to the attention scale), so a learning rate tuned at `base_width` transfers to every width.
-    The multipliers fold into the weights at Hugging Face export (`training/hf_interop.py`)."""
+    The multipliers fold into the weights at Hugging Face export (`training/model/hf_interop.py`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.model_config import MoEConfig
+from training.model.config import MoEConfig
 
 
 @dataclass(frozen=True)

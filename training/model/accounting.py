@@ -23,10 +23,10 @@ from typing import Literal
 
 import torch
 
-from training.linear_attention import CHUNK
-from training.model import Transformer
-from training.model_config import ModelConfig
-from training.optim import STATE_BYTES
+from training.model.config import ModelConfig
+from training.model.linear_attention import CHUNK
+from training.model.transformer import Transformer
+from training.optim.optimizers import STATE_BYTES
 
 Precision = Literal["fp32", "bf16", "fp16"]
 BYTES_PER_ELEMENT: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -70,7 +70,7 @@ def component(name: str) -> str:
     if ".mlp." in name:
         return "mlp"
     raise ValueError(
-        f"parameter {name!r} belongs to no known component; teach training/accounting.py its name"
+        f"parameter {name!r} belongs to no known component; teach training/model/accounting.py its name"
     )
 
 

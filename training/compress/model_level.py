@@ -1,4 +1,4 @@
-"""Model-level compression over `training/quantize.py`, `training/lowrank.py` and `training/prune.py`.
+"""Model-level compression over `training/compress/quantize.py`, `training/compress/lowrank.py` and `training/compress/prune.py`.
 
 `layer_hessians` collects H = 2·XᵀX/n of every transformer linear layer's inputs from calibration batches in
 one pass of the unquantized model (the common one-shot simplification; the paper feeds each layer the already
@@ -17,8 +17,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from training.lowrank import LowRankLinear, factorize
-from training.quantize import Quantized, check_shape, gptq, rtn
+from training.compress.lowrank import LowRankLinear, factorize
+from training.compress.quantize import Quantized, check_shape, gptq, rtn
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:

@@ -23,8 +23,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from infra.storage import file_records
-from training import prune
-from training.compress import (
+from training.compress import prune
+from training.compress.config import QUANTIZED, VariantConfig
+from training.compress.lowrank import LowRankLinear, rank_for_energy
+from training.compress.model_level import (
     factorize_model,
     intx_config,
     layer_hessians,
@@ -33,8 +35,9 @@ from training.compress import (
     torchao_config,
     torchao_model,
 )
-from training.compress_config import QUANTIZED, VariantConfig
-from training.export import (
+from training.compress.quantize import pack_codes, unpack_codes
+from training.model.config import ModelConfig
+from training.model.export import (
     TOLERANCE,
     copy_tokenizer_files,
     export_hf,
@@ -42,11 +45,8 @@ from training.export import (
     probe_tokens,
     publish_export,
 )
-from training.hf_interop import load_export, load_hf_config, load_weights
-from training.lowrank import LowRankLinear, rank_for_energy
-from training.model import Transformer
-from training.model_config import ModelConfig
-from training.quantize import pack_codes, unpack_codes
+from training.model.hf_interop import load_export, load_hf_config, load_weights
+from training.model.transformer import Transformer
 
 FACTORS = "factors.safetensors"
 PACKED = "packed.safetensors"

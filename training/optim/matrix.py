@@ -2,7 +2,7 @@
 
 SOAP (Vyas et al. 2024: Adam in the eigenbasis of Shampoo's preconditioner), Shampoo (Gupta et al. 2018, in the
 scalable form of Anil et al. 2020 with RMSProp grafting for the step size) and PSGD-Kron (Li 2018) come from the
-`pytorch-optimizer` package; K-FAC is lmforge's (`training/kfac.py`). Each sees the matrices as matrices, so
+`pytorch-optimizer` package; K-FAC is lmforge's (`training/optim/kfac.py`). Each sees the matrices as matrices, so
 they need ZeRO stage 0 (ZeRO hands optimisers flat 1-D partitions, which would silently make them diagonal:
 the recipe refuses it). Embeddings, norms, the LM head and the MoE experts' stacked weights stay on AdamW.
 `Chain` presents both optimisers to DeepSpeed and the loop as one: shared parameter-group dicts, one state dict.
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from training.config import OptimConfig
-from training.kfac import KFAC
+from training.optim.kfac import KFAC
 
 MATRIX_GROUP = "matrix"
 

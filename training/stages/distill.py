@@ -31,13 +31,13 @@ from infra.storage import MANIFEST, digest_of, sha256_file
 from infra.tracking import Tracker
 from training.config import DistillSpec
 from training.engine import Engine
-from training.export import export_hf
-from training.hf_interop import load_export, load_hf_config
 from training.loop import Batches
-from training.model import Transformer
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
+from training.model.export import export_hf
+from training.model.hf_interop import load_export, load_hf_config
+from training.model.transformer import Transformer
 from training.objective import Outcome
-from training.stage import (
+from training.stages.lifecycle import (
     Progress,
     TrainedModel,
     TrainingJob,
@@ -192,7 +192,7 @@ class Distill(TrainingStage):
             return SFTLoader(data, "train", seed=train.seed, **common), SFTLoader(
                 data, "heldout", shuffle=False, **common
             )
-        from training.pretrain import PRETRAIN
+        from training.stages.pretrain import PRETRAIN
 
         return PRETRAIN.loaders(job, rank, world)  # the same windows in the same order as pretraining's
 

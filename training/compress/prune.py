@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import prune
 
-from training.compress_config import check_sparsity
+from training.compress.config import check_sparsity
 
 Pattern = Literal["unstructured", "2:4"]
 

@@ -1,4 +1,4 @@
-"""Stage 2: pretraining, as a stage over the one training lifecycle (`training/stage.py`).
+"""Stage 2: pretraining, as a stage over the one training lifecycle (`training/stages/lifecycle.py`).
 
 `run_pretrain(spec, data) -> TrainedModel`: a freshly initialised model trained on the token shards (one
 in-process worker or N Ray Train workers, each running DeepSpeed), resumable, tracked in MLflow, ending with a
@@ -22,12 +22,12 @@ from infra.steps import Artifact
 from infra.storage import MANIFEST
 from infra.tracking import Tracker
 from training.config import PretrainSpec
-from training.export import ENGINE_TOLERANCE, EngineCheck, export_hf
 from training.loop import Batches
-from training.model import Transformer
-from training.model_config import ModelConfig
+from training.model.config import ModelConfig
+from training.model.export import ENGINE_TOLERANCE, EngineCheck, export_hf
+from training.model.transformer import Transformer
 from training.probe import TaskProbe
-from training.stage import (
+from training.stages.lifecycle import (
     Progress,
     TrainedModel,
     TrainingJob,

@@ -29,12 +29,12 @@ from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json
 from infra.tracking import TrackedRun, Tracker, tracked_run
 from training import checkpoint as ckpt
-from training.accounting import flops_per_token
 from training.config import TrainConfig, TrainingSpec
-from training.export import export_damage
 from training.launch import run_stage_workers
 from training.loop import Batches, LoopSetup, read_jsonl, resume, train_loop
-from training.model_config import ModelConfig
+from training.model.accounting import flops_per_token
+from training.model.config import ModelConfig
+from training.model.export import export_damage
 from training.objective import Objective, TokenCrossEntropy
 from training.perf import measure_matmul_peak, published_peak
 

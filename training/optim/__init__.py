@@ -1,0 +1,1 @@
+"""Optimisers: AdamW/Muon with parameter groups and schedules, K-FAC, and the matrix preconditioners."""
