@@ -24,7 +24,6 @@ from infra.config import Change, ConfigError, apply_overrides, parse_override
 from infra.tracking import TrackingConfig
 from training.compress.config import CompressSpec
 from training.config import (
-    MATRIX_OPTIMIZERS,
     DistillSpec,
     DPOSpec,
     OptimConfig,
@@ -35,6 +34,7 @@ from training.config import (
     TrainConfig,
     check_batch,
     check_context,
+    check_matrix_optimizer,
 )
 from training.model.config import ModelConfig
 
@@ -43,33 +43,6 @@ __all__ = ["ConfigError", "Recipe", "apply_overrides", "load_recipe", "parse_ove
 S = TypeVar("S", bound=BaseModel)
 log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-def check_matrix_optimizer(prefix: str, optim: OptimConfig, par: ParallelConfig, model: ModelConfig) -> None:
-    """Matrix optimisers need whole matrices (ZeRO-0), one learning rate per group (no μP) and, for K-FAC, gradients
-    free of fp16's dynamic loss scale (its output-gradient factor would carry it)."""
-    if optim.name not in MATRIX_OPTIMIZERS:
-        return
-    if par.zero_stage >= 1:
-        raise ValueError(
-            f"{prefix}.name={optim.name} preconditions whole matrices, but under ZeRO-{par.zero_stage} DeepSpeed hands "
-            f"the optimiser flat 1-D partitions (it would silently become a diagonal method); set "
-            f"parallel.zero_stage=0 or {prefix}.name=adamw"
-        )
-    if model.mup is not None:
-        raise ValueError(
-            f"{prefix}.name={optim.name} with model.mup: μP's per-width learning rates need {prefix}.name=adamw"
-        )
-    if optim.name == "kfac" and par.precision == "fp16":
-        raise ValueError(
-            f"{prefix}.name=kfac with parallel.precision=fp16: K-FAC's gradient factor would carry fp16's dynamic "
-            "loss scale; use parallel.precision=bf16 or fp32"
-        )
-    if optim.name == "kfac" and par.compile is True:
-        raise ValueError(
-            f"{prefix}.name=kfac with parallel.compile=true: K-FAC reads each layer's inputs and output gradients "
-            "through module hooks, which compiled blocks do not run; set parallel.compile=auto (eager for K-FAC)"
-        )
 
 
 class RecipeCore(BaseModel):
@@ -107,7 +80,7 @@ class RecipeCore(BaseModel):
             )
         for path, section in self.training_sections():
             optim, at = section.optim, f"{path}optim"
-            check_matrix_optimizer(at, optim, par, self.model)
+            check_matrix_optimizer(at, optim, par, mup=self.model.mup is not None)
             if optim.name == "muon" and optim.grad_clip > 0 and par.zero_stage >= 1:
                 raise ValueError(
                     f"{at}.name=muon with {at}.grad_clip={optim.grad_clip} under ZeRO-{par.zero_stage}: "

@@ -299,6 +299,33 @@ def check_context(train: TrainConfig, max_seq_len: int, prefix: str = "train") -
         )
 
 
+def check_matrix_optimizer(prefix: str, optim: OptimConfig, par: ParallelConfig, mup: bool) -> None:
+    """Matrix optimisers need whole matrices (ZeRO-0), one learning rate per group (no μP) and, for K-FAC, gradients
+    free of fp16's dynamic loss scale (its output-gradient factor would carry it)."""
+    if optim.name not in MATRIX_OPTIMIZERS:
+        return
+    if par.zero_stage >= 1:
+        raise ValueError(
+            f"{prefix}.name={optim.name} preconditions whole matrices, but under ZeRO-{par.zero_stage} DeepSpeed hands "
+            f"the optimiser flat 1-D partitions (it would silently become a diagonal method); set "
+            f"parallel.zero_stage=0 or {prefix}.name=adamw"
+        )
+    if mup:
+        raise ValueError(
+            f"{prefix}.name={optim.name} with model.mup: μP's per-width learning rates need {prefix}.name=adamw"
+        )
+    if optim.name == "kfac" and par.precision == "fp16":
+        raise ValueError(
+            f"{prefix}.name=kfac with parallel.precision=fp16: K-FAC's gradient factor would carry fp16's dynamic "
+            "loss scale; use parallel.precision=bf16 or fp32"
+        )
+    if optim.name == "kfac" and par.compile is True:
+        raise ValueError(
+            f"{prefix}.name=kfac with parallel.compile=true: K-FAC reads each layer's inputs and output gradients "
+            "through module hooks, which compiled blocks do not run; set parallel.compile=auto (eager for K-FAC)"
+        )
+
+
 class TrainingSpec(BaseModel):
     """What one training stage receives: its name, where outputs go, its optimiser, run and parallel slices and
     tracking. Subclasses add their own slices and list in `KEY` the fields that determine the trained weights
@@ -321,6 +348,12 @@ class TrainingSpec(BaseModel):
     def _check_batch(self) -> TrainingSpec:
         check_batch(self.train, self.parallel)
         check_horizons(self.train, self.optim)
+        model = getattr(
+            self, "model", None
+        )  # pretraining's and the student's; tuning stages inherit the base's
+        check_matrix_optimizer(
+            "optim", self.optim, self.parallel, mup=model is not None and model.mup is not None
+        )
         return self
 
 

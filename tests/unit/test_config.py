@@ -195,6 +195,23 @@ def test_matrix_optimisers_under_zero_are_refused(name: str) -> None:
     assert finetune.startswith("sft.optim.name=") or "sft.optim.name=" in finetune
 
 
+@pytest.mark.parametrize("name", ["soap", "kfac"])
+def test_a_spec_built_without_a_recipe_refuses_a_matrix_optimiser_under_zero(name: str) -> None:
+    """The libraries' own check, not only the recipe's: a spec built directly (a notebook, a benchmark) is
+    refused too, and μP with a matrix optimiser where the spec holds the model."""
+    from pydantic import ValidationError
+
+    from training.config import ParallelConfig, PretrainSpec
+
+    spec = load_recipe("smoke").pretrain_spec()
+    fields = {**dict(spec), "optim": spec.optim.model_copy(update={"name": name})}
+    with pytest.raises(ValidationError, match="flat 1-D partitions"):
+        PretrainSpec(**{**fields, "parallel": ParallelConfig(zero_stage=2)})
+    with pytest.raises(ValidationError, match="μP's per-width learning rates"):
+        PretrainSpec(**{**fields, "model": load_recipe("demo").model})
+    PretrainSpec(**fields)  # ZeRO-0, no μP: accepted
+
+
 def test_matrix_settings_need_a_matrix_optimiser_and_kfac_refuses_fp16() -> None:
     assert "a setting of the matrix optimisers" in bad(["optim.matrix_lr=0.01"])
     assert "loss scale" in bad(["optim.name=kfac", "parallel.precision=fp16"])
