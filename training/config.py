@@ -348,12 +348,9 @@ class TrainingSpec(BaseModel):
     def _check_batch(self) -> TrainingSpec:
         check_batch(self.train, self.parallel)
         check_horizons(self.train, self.optim)
-        model = getattr(
-            self, "model", None
-        )  # pretraining's and the student's; tuning stages inherit the base's
-        check_matrix_optimizer(
-            "optim", self.optim, self.parallel, mup=model is not None and model.mup is not None
-        )
+        # pretraining's and the student's spec hold their model; the tuning stages' base is checked by the recipe
+        mup = getattr(self, "model", None) is not None and self.model.mup is not None  # type: ignore[attr-defined]
+        check_matrix_optimizer("optim", self.optim, self.parallel, mup)
         return self
 
 
