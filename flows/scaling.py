@@ -7,6 +7,7 @@ another step (`<output_dir>/rung/<name>-<hash>/`) holding fit.json and the plots
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,7 @@ def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
     )
 
 
+log = logging.getLogger(__name__)
 FIT_VERSION = 1
 RUNG_VERSION = 1
 
@@ -105,6 +107,9 @@ def _fit(
     out: Path,
 ) -> ScalingFit:
     """Fit, size the rung, predict it; write fit.json and the plots; log the fit to the sweep's MLflow run."""
+    earlier = Path(sweep.path) / f"fit-C{budget:.3g}".replace("+", "")
+    if earlier.is_dir():  # where fits lived before they were steps of their own
+        log.warning("fitting again into %s: %s is an earlier version's fit, no longer read", out, earlier)
     points = sweep_points(sweep.results)
     fit = run_fit_scaling(
         points,
