@@ -1,6 +1,6 @@
 """Throughput accounting: measured matmul peak, tokens per second and model FLOPs utilisation (MFU).
 
-MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs from `training.accounting.flops_per_token` (6N plus
+MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs from `training.model.accounting.flops_per_token` (6N plus
 the attention term; recomputation is not counted). The peak is a configured number (e.g. 989e12 for an H100/H200
 in bf16) or, by default, a dense GEMM measured on the same device, dtype and thread count.
 """

@@ -23,7 +23,7 @@ site.addsitedir(sys.argv[2])  # the environment's packages less the missing ones
 sys.path.insert(0, sys.argv[3])
 from data_pipeline.tokenize import run_tokenize
 from flows.recipe import load_recipe
-from training.pretrain import run_pretrain
+from training.stages.pretrain import run_pretrain
 
 recipe = load_recipe("smoke", json.loads(sys.argv[1]))
 model = run_pretrain(recipe.pretrain_spec(), run_tokenize(recipe.data, recipe.output_dir))

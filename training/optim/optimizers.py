@@ -71,7 +71,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 # fp32 bytes of elementwise optimiser state per trained parameter (AdamW: two moments; Muon, Kron, K-FAC: one
 # momentum on the matrices they own, which are nearly all of a model's parameters; SOAP: Adam's two moments;
 # Shampoo: momentum and the RMSProp graft's second moment). Matrix optimisers add per-matrix factors
-# (`training.accounting.preconditioner_bytes`).
+# (`training.model.accounting.preconditioner_bytes`).
 STATE_BYTES: dict[str, int] = {"adamw": 8, "muon": 4, "soap": 8, "shampoo": 8, "kron": 4, "kfac": 4}
 
 
