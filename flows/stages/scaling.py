@@ -94,11 +94,13 @@ def fit_headline(law: ScalingFit) -> dict[str, Any]:
     rung = law.rung
     if rung is not None:
         numbers |= {"rung predicted loss": round(rung.loss, 4), "rung 95% interval": list(rung.interval)}
-        numbers |= {"rung measured loss": rung.measured_loss, "prediction held": rung.held}
+        numbers |= {"rung measured loss": rung.measured_loss, "fit/rung_rel_error": rung.rel_error}
+        numbers |= {"prediction held": rung.held}
         if rung.task_loss is not None:
             numbers |= {
                 "rung predicted HumanEval bits/byte": round(rung.task_loss, 4),
                 "rung measured HumanEval bits/byte": rung.measured_task_loss,
+                "task rel error": rung.task_rel_error,
             }
     return numbers
 
