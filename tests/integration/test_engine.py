@@ -358,3 +358,32 @@ def test_async_checkpoints_hold_the_same_state_and_true_digests(
         moments = [(a["optimizer"]["state"][i], b["optimizer"]["state"][i]) for i in a["optimizer"]["state"]]
         assert all(torch.equal(x["exp_avg_sq"], y["exp_avg_sq"]) for x, y in moments)
         assert ckpt.read_meta(sync)["loop"] == ckpt.read_meta(background)["loop"]
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_mup_learning_rates_are_the_ones_the_engine_applies(zero_stage: int) -> None:
+    """μP through the DeepSpeed engine, not through hand-built groups: AdamW's first update is lr·sign(gradient)
+    per element, so one step moves a hidden matrix by exactly lr/m and the embedding by lr (m = d_model /
+    base_width). Dropping the hidden group's multiplier where the engine builds its groups moves both by lr."""
+    from training.loop import optimizer_step
+    from training.model.config import MuPConfig
+    from training.objective import TokenCrossEntropy
+
+    recipe = load_recipe("smoke")
+    model_cfg = recipe.model.model_copy(update={"mup": MuPConfig(base_width=recipe.model.d_model // 4)})
+    lr, m = 1e-3, model_cfg.width_mult
+    assert m == 4
+    torch.manual_seed(0)
+    sets = ("optim.weight_decay=0", "optim.grad_clip=0", f"parallel.zero_stage={zero_stage}")
+    engine, _ = engine_for(Transformer(model_cfg), *sets)
+    params = dict(engine.module.named_parameters())
+    before = {name: p.detach().clone() for name, p in params.items()}
+    optimizer_step(engine, FixedBatch(model_cfg.vocab_size), TokenCrossEntropy(), lr, 1)
+
+    def moved(name: str) -> float:
+        return float((params[name].detach() - before[name]).abs().max())
+
+    # (Adam's ε shaves steps where the gradient is tiny: q_proj's largest moved 1.4% less; a lost multiplier is 4x)
+    for hidden in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
+        assert moved(hidden) == pytest.approx(lr / m, rel=0.05), hidden
+    assert moved("model.embed_tokens.weight") == pytest.approx(lr, rel=0.05)
