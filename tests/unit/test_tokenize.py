@@ -158,11 +158,24 @@ def test_shard_overwritten_in_place_is_refused_before_training(tokenized, tmp_pa
         s.file for s in moved.splits["train"].shards
     }
     shard = copy / "train-00001.arrow"
+    tokens = shard_tokens(shard)
     data = bytearray(shard.read_bytes())
-    data[-200:-190] = bytes(10)  # garbage tokens, size unchanged
+    window = tokens[100:108].tobytes()  # eight token ids inside the values buffer, not the Arrow metadata
+    at = data.find(window)
+    assert at > 0 and data.find(window, at + 1) == -1
+    data[at : at + len(window)] = tokens[200:208].tobytes()  # other valid ids, size unchanged
     shard.write_bytes(bytes(data))
+    changed = shard_tokens(shard)  # still a well-formed Arrow file: only the digest can tell
+    assert len(changed) == len(tokens) and (changed != tokens).any()
     with pytest.raises(DataError, match=r"shard .*train-00001\.arrow: bytes differ from the sha256"):
         PackedLoader(moved, seq_len=32, batch_size=2)
+
+
+def shard_tokens(path: Path):  # noqa: ANN201 - a numpy array
+    import pyarrow as pa
+
+    with pa.memory_map(str(path), "r") as source:
+        return pa.ipc.open_file(source).get_batch(0).column("tokens").values.to_numpy().copy()
 
 
 def test_empty_corpus_is_an_error(tmp_path: Path) -> None:
