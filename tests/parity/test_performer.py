@@ -53,3 +53,22 @@ def test_causal_attention_output_is_performers() -> None:
     torch.testing.assert_close(ours, attention(q, k, v), rtol=0, atol=0.02)
     exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert float((ours - exact).abs().mean()) < 0.1  # both approximate softmax attention
+
+
+def test_our_projection_is_performers_draw() -> None:
+    """The projection itself, not only what is computed from it: with the same random stream, performer's
+    `gaussian_orthogonal_random_matrix` (QR blocks of d orthogonal rows, each rescaled to a Gaussian vector's norm)
+    draws exactly our matrix, a partial last block included; and its own module's projection, fed to our kernel,
+    gives its features."""
+    from performer_pytorch import FastAttention
+    from performer_pytorch.performer_pytorch import gaussian_orthogonal_random_matrix, softmax_kernel
+
+    for rows in (64, 40):
+        torch.manual_seed(3)
+        theirs = gaussian_orthogonal_random_matrix(rows, 16, scaling=0)
+        torch.manual_seed(3)
+        torch.testing.assert_close(orthogonal_features(rows, 16), theirs, rtol=1e-6, atol=1e-6)
+    q, _, _ = inputs(torch.Generator().manual_seed(4))
+    w = FastAttention(dim_heads=16, nb_features=48, causal=True).projection_matrix.double()
+    expected = softmax_kernel(q, projection_matrix=w, is_query=True, eps=0.0)
+    torch.testing.assert_close(favor_features(q, w, True), expected, rtol=1e-12, atol=0)
