@@ -9,6 +9,7 @@ comparison.md and compare.png, logged to an MLflow run `compare-<A>-vs-<B>`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +52,11 @@ def reference_budget(a: Recipe, b: Recipe, budget: float | None) -> float:
 
 
 class Compared(Artifact):
-    """A finished comparison: `summary` is comparison.json (the multiplier, its interval, both laws)."""
+    """A finished comparison; its comparison.json holds the multiplier, its interval and both laws (read from the
+    file, where an interval the bootstrap could not bound stays NaN)."""
 
-    summary: dict[str, Any]
+    def summary(self) -> dict[str, Any]:
+        return json.loads((Path(self.path) / RESULT).read_text()) | {"path": self.path}
 
 
 def run_compare(
@@ -84,11 +87,10 @@ def run_compare(
     def build(out: Path, key: str) -> Compared:
         points = (sweep_points(results[0].results), sweep_points(results[1].results))
         sweeps = {name: r.results for name, r in zip(names, results, strict=True)}
-        summary = write_comparison(points, names, c_ref, n_bootstrap, out, a, sweeps)
-        return Compared(path=str(out), summary=summary)
+        write_comparison(points, names, c_ref, n_bootstrap, out, a, sweeps)
+        return Compared(path=str(out))
 
-    done = run_step(a.output_dir, step, build)
-    return done.summary | {"path": done.path}
+    return run_step(a.output_dir, step, build).summary()
 
 
 def write_comparison(

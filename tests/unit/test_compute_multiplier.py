@@ -98,3 +98,22 @@ def test_compare_refuses_two_tokenizers_and_a_ladder_without_a_frontier(capsys) 
     worse = ScalingPoints(n, d, 3.0 + 1e-5 * n**0.5 - 0.1 * np.log(d / 1e5), 6 * n * d, n)
     with pytest.raises(ScalingDataError, match="no compute-optimal frontier"):
         compare_points(worse, ladder(BASE, 0.003, 0), 1e10, n_bootstrap=10)
+
+
+def test_a_finished_comparison_reads_back_an_unbounded_interval(tmp_path) -> None:
+    """A rerun of `lmforge compare` returns the cached comparison as written: an interval the bootstrap could not
+    bound stays NaN (a manifest round trip would turn it into null and crash the printout)."""
+    import math
+
+    from flows.compare import RESULT, Compared
+    from infra.steps import Step, run_step
+    from infra.storage import atomic_write_json
+
+    def build(out, key):
+        atomic_write_json(out / RESULT, {"multiplier": 2.0, "interval": [float("nan"), float("nan")]})
+        return Compared(path=str(out))
+
+    step = Step("compare", "a-vs-b", 1, {}, Compared)
+    run_step(tmp_path, step, build)
+    again = run_step(tmp_path, step, lambda out, key: pytest.fail("finished: not built again")).summary()
+    assert again["multiplier"] == 2.0 and all(math.isnan(x) for x in again["interval"])
