@@ -50,18 +50,25 @@ def pipeline_params(args: argparse.Namespace) -> Any:
     """The pipeline flow's parameters from `lmforge pipeline` flags (validated: the recipe loads). Imports
     Prefect: call it once the Prefect API is chosen."""
     from flows.pipeline import pipeline_params as params
+
+    return params()(
+        recipe=args.recipe, overrides=args.set, size=args.size, budget=args.budget, **switches(args)
+    )
+
+
+def switches(args: argparse.Namespace) -> dict[str, bool]:
+    """Each optional stage's switch as the `lmforge pipeline` flags set it."""
     from flows.registry import toggles
 
-    switches = {name: getattr(args, name) for name in toggles()}
-    return params()(recipe=args.recipe, overrides=args.set, size=args.size, budget=args.budget, **switches)
+    return {name: getattr(args, name) for name in toggles()}
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
     from flows.recipe import load_recipe
-    from flows.registry import pipeline_stages, preflight, toggles
+    from flows.registry import pipeline_stages, preflight
 
     recipe = load_recipe(args.recipe, args.set)  # refuse bad input before starting anything
-    preflight(recipe, pipeline_stages({name: getattr(args, name) for name in toggles()}, args.size))
+    preflight(recipe, pipeline_stages(switches(args), args.size))
     state = Path(recipe.output_dir) / "services"
     with prefect_api(state):  # Prefect reads its settings once, at import: import it inside
         from flows.pipeline import pipeline

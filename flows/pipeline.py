@@ -166,9 +166,9 @@ def stage_flow(stage: StageDef[Any]) -> Flow[..., dict[str, Any]]:
     """The stage's flow: the stage and what it needs, each a task; returns the stage's summary."""
 
     def run(params: RecipeParams) -> dict[str, Any]:
-        value = getattr(params, stage.given.flag) if stage.given else None
-        given = {stage.given.role: stage.given.load(value)} if stage.given and value else {}
-        return registry.resolve(stage.name, params.load(), PrefectRunner(), given).summary()
+        return registry.resolve(
+            stage.name, params.load(), PrefectRunner(), stage.given_from(params)
+        ).summary()
 
     return generated(run, f"{stage.name}_flow", stage.name, stage.help, stage_params(stage))
 
@@ -228,7 +228,7 @@ pipeline = FLOWS["pipeline"]
 def __getattr__(name: str) -> Any:
     """`<stage>_flow` for every stage's flow (the deployments' entrypoints, flows/pipeline.py:sft_flow), also for
     a stage declared after this module was imported."""
-    found = flows()
-    if name.endswith("_flow") and name.removesuffix("_flow") in found:
-        return found[name.removesuffix("_flow")]
+    stage = registry.STAGES.get(name.removesuffix("_flow")) if name.endswith("_flow") else None
+    if stage is not None and stage.flow:
+        return FLOWS.get(stage.name) or stage_flow(stage)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -96,8 +96,9 @@ def enable(targets: Iterable[str], given: Iterable[str] = ()) -> set[str]:
             enabled |= {
                 s.name for s in STAGES.values() if s.toggle is not None and s.toggle.name == toggle.name
             }
-    enabled |= set(given)
-    pending = [n for n in enabled if n not in set(given)]
+    given = set(given)
+    enabled |= given
+    pending = [n for n in enabled if n not in given]
     while pending:
         for need in STAGES[pending.pop()].needs.values():
             name = pick(need, enabled)
@@ -189,11 +190,12 @@ def plan(
     """A plan for `targets` and what they need. `given` supplies finished artifacts instead of building them, by a
     target's role (`base`, `teacher`; `models` for the evaluation) or by stage name (`sft_data`)."""
     targets = list(targets)
+    unsupplied = enable(targets)
     by_stage: dict[str, Any] = {}
     for role, artifact in (given or {}).items():
         owner = next((STAGES[t] for t in targets if role in STAGES[t].needs), None)
         if owner is not None:
-            by_stage[pick(owner.needs[role], enable(targets))] = artifact
+            by_stage[pick(owner.needs[role], unsupplied)] = artifact
         else:  # a stage by name, or a collecting stage's models
             by_stage[role] = artifact
     return Plan(recipe, runner, enable(targets, [s for s in by_stage if s in STAGES]), by_stage)

@@ -38,6 +38,10 @@ from training.stages.sweep import SweepResult
 if TYPE_CHECKING:
     from flows.recipe import Recipe
 
+log = logging.getLogger(__name__)
+FIT_VERSION = 1
+RUNG_VERSION = 1
+
 
 def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
     """Completed points of a sweep table (`column`: the validation loss, or the probe's `task_loss`); with a
@@ -65,11 +69,6 @@ def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
     return ScalingPoints(
         points.n, points.d, points.loss, points.c, points.n_total, len(table) - len(points), points.source
     )
-
-
-log = logging.getLogger(__name__)
-FIT_VERSION = 1
-RUNG_VERSION = 1
 
 
 def target_budget(recipe: Recipe) -> float:

@@ -85,6 +85,12 @@ class StageDef(Generic[A]):
     flow: bool = True  # a Prefect flow and deployment of its own (helper steps: False)
     tags: tuple[str, ...] = ()  # extra deployment tags (`gpu` for training stages)
 
+    def given_from(self, source: Any) -> dict[str, Any]:
+        """The finished run the user gave (`--base DIR` on `source`, the parsed flags or the flow's parameters),
+        loaded under its role; nothing when the stage takes none or none was given."""
+        value = getattr(source, self.given.flag, None) if self.given is not None else None
+        return {self.given.role: self.given.load(value)} if self.given is not None and value else {}
+
     @property
     def cli(self) -> str:
         """The CLI command's name (`fit_scaling` -> `fit-scaling`)."""
