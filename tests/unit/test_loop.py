@@ -231,3 +231,79 @@ def test_metrics_before_a_checkpoint_are_sent_before_it_is_written(tmp_path: Pat
     tracker = Recording()
     train_loop(engine, Fixed(batches), None, train, optim, setup, tracker, LoopState())
     assert tracker.events == ["step 1", "step 2", "flush", "step 3", "step 4", "flush"]
+
+
+def test_a_remote_checkpoint_is_marked_complete_only_after_its_files(tmp_path: Path) -> None:
+    """On object storage, COMPLETE is the last object written for a checkpoint (after every file it lists, the
+    meta and the metrics) and the first one deleted when an old checkpoint is pruned: a node never sees a
+    complete checkpoint with a file missing. Observed from the store's own sequence of writes, not from a kill."""
+    import json
+    from dataclasses import dataclass, field
+
+    import pyarrow.fs as pafs
+
+    from infra.object_store import Store
+    from infra.storage import sha256_file
+
+    @dataclass(frozen=True)
+    class RecordingStore(Store):
+        writes: list[str] = field(default_factory=list)
+        completes: dict[str, dict] = field(default_factory=dict)
+
+        def upload(self, local: Path, relative: str) -> None:
+            self.writes.append(f"put {relative}")
+            if relative.endswith("/COMPLETE"):
+                self.completes[relative] = json.loads(local.read_text())
+            Path(self.key(relative)).parent.mkdir(
+                parents=True, exist_ok=True
+            )  # a local "bucket" needs folders
+            super().upload(local, relative)
+
+        def delete(self, relative: str) -> None:
+            self.writes.append(f"delete {relative}")
+            super().delete(relative)
+
+    class HashingEngine(PlainEngine):
+        """Reports the file it wrote with its digest, as the DeepSpeed engine's writer does."""
+
+        def save(self, directory: Path) -> None:
+            super().save(directory)
+            self.last = directory / "engine.pt"
+
+        def saved(self) -> dict[Path, dict[str, Any]]:
+            return {self.last: {"bytes": self.last.stat().st_size, "sha256": sha256_file(self.last)}}
+
+    (tmp_path / "bucket").mkdir()
+    store = RecordingStore(
+        f"s3://{tmp_path}/bucket/run", pafs.LocalFileSystem(), str(tmp_path / "bucket"), "run"
+    )
+    model = Transformer(CFG, seed=1)
+    engine = HashingEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_clip=0.0)
+    optim = OptimConfig(lr=0.1, warmup_steps=0, schedule="constant", grad_clip=0.0)
+    train = TrainConfig(
+        seq_len=8,
+        micro_batch_size=2,
+        global_batch_size=2,
+        max_steps=6,
+        checkpoint_every=2,
+        keep_checkpoints=1,
+    )
+    run_dir = tmp_path / "local"
+    run_dir.mkdir()
+    setup = LoopSetup(run_dir, 0, 1, flops_per_token=1, peak_flops=1.0, meta={}, remote=store)
+    train_loop(engine, Fixed(sft_like_batches() * 3), None, train, optim, setup, NullTracker(), LoopState())
+
+    writes = store.writes
+    for step in (2, 4, 6):
+        prefix = f"checkpoints/step-{step:08d}/"
+        complete = writes.index(f"put {prefix}COMPLETE")
+        listed = store.completes[f"{prefix}COMPLETE"]["files"]
+        assert {"engine.pt", "rank-0.pt", "meta.json"} <= set(listed)
+        before = writes[:complete]
+        assert all(f"put {prefix}{name}" in before for name in listed), (step, writes)
+        assert "put metrics.jsonl" in before
+        assert not any(w.startswith(f"put {prefix}") for w in writes[complete + 1 :]), (step, writes)
+    for step in (2, 4):  # pruned (keep 1): COMPLETE goes first
+        deletes = [w for w in writes if w.startswith(f"delete checkpoints/step-{step:08d}/")]
+        assert len(deletes) >= 4 and deletes[0].endswith("/COMPLETE"), deletes
+    assert store.listing("checkpoints").keys() >= {"step-00000006/COMPLETE", "step-00000006/engine.pt"}
