@@ -10,13 +10,16 @@ export MKL_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-fast bench lint clean
+.PHONY: install bytecode demo test test-fast bench lint clean
 
 install: $(STAMP)
 
 # torch goes in first (the CPU build from local disk here) so resolving the project never pulls a CUDA build;
 # constraints.txt holds the versions the tests (and the golden loss curve) were made with. uv resolves and installs
 # the ~230 packages in seconds (pip took ~4 minutes here); pip, which reads pip.conf mirrors, is the fallback.
+# Packages are installed with their bytecode compiled: where PYTHONDONTWRITEBYTECODE is set (it is on our machines),
+# Python never writes .pyc files, and every process (each `lmforge` launch, each Ray worker) compiled the ~15 s of
+# source it imports again; it still reads .pyc files that exist. `bytecode` does the same for lmforge's own code.
 # curvlinops (the tests' K-FAC reference) and what it imports, without its backpack -> torchvision requirement:
 # PyPI's torchvision breaks `transformers` imports beside the CPU torch build (see pyproject.toml).
 TEST_ONLY_NO_DEPS := curvlinops-for-pytorch einconv linear_operator opt_einsum
@@ -24,24 +27,35 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip uv
 	$(PY) -m pip install -q "$(TORCH)"
-	$(VENV)/bin/uv pip install -q --python $(PY) -c constraints.txt -e ".[dev]" \
+	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -c constraints.txt -e ".[dev]" \
 	  || $(PY) -m pip install -q -c constraints.txt -e ".[dev]"
-	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps -c constraints.txt $(TEST_ONLY_NO_DEPS) \
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps --compile-bytecode -c constraints.txt $(TEST_ONLY_NO_DEPS) \
 	  || $(PY) -m pip install -q --no-deps -c constraints.txt $(TEST_ONLY_NO_DEPS)
 	touch $(STAMP)
 
-demo: install
+# lmforge's own modules compiled (a few seconds the first time, nothing when up to date), see `install`
+bytecode: install
+	$(PY) -m compileall -q flows training data_pipeline evaluation infra tests benchmarks >/dev/null
+
+demo: bytecode
 	$(VENV)/bin/lmforge model summary demo
 	$(VENV)/bin/lmforge pipeline demo --dpo --distill --compress
 
+# Tests run in a random order (pytest-random-order: modules shuffled, and the tests inside each; the seed is printed
+# first and SEED=N repeats it), so no test can lean on another's leftovers. The slow suite runs in one process: run
+# side by side on pytest-xdist workers, its multi-process tests (pipelines, Ray, servers) were 2-4x slower here.
 # The two-node Ray cluster test runs last, in its own process (it needs the machine's CPUs to itself). The slowest
-# tests are listed at the end of each run, so a CI log says where the time went.
-test: install
-	$(PY) -m pytest -q --durations=15 tests --deselect tests/integration/test_ray_cluster.py
-	$(PY) -m pytest -q --durations=5 tests/integration/test_ray_cluster.py
+# tests and the time per directory end each run. `make test-fast` (unit, parity, fast integration: what to run
+# before each commit) spreads its in-process tests over TEST_WORKERS xdist workers, a module per worker.
+TEST_WORKERS ?= 2
+SEED ?= $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
+PYTEST := $(PY) -m pytest -q -p random_order --random-order-bucket=module --random-order-seed=$(SEED)
+test: bytecode
+	$(PYTEST) --durations=15 tests --deselect tests/integration/test_ray_cluster.py
+	$(PYTEST) --durations=5 tests/integration/test_ray_cluster.py
 
-test-fast: install
-	$(PY) -m pytest -q tests -m "not slow"
+test-fast: bytecode
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup tests -m "not slow"
 
 bench: install
 	@for script in $(wildcard benchmarks/*.py); do $(PY) $$script || exit 1; done  # one JSON line each

@@ -132,6 +132,14 @@ def s3(tmp_path_factory):
         yield server
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With `pytest -n 2 --dist loadgroup` (make test-fast), a module's tests share one worker, so its
+    module-scoped fixtures are built once (a module may split independent tests off with `pytest.mark.xdist_group`)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Wall time per test directory (setup, call and teardown of every test in it), so a CI log says where the
     suite's time goes beside the slowest tests."""

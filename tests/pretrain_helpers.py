@@ -90,6 +90,21 @@ def with_sets(overrides: list[str]) -> list[str]:
     return [item for o in overrides for item in ("--set", o)]
 
 
+def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, train/loss) as metrics.jsonl holds them, in the order they were logged (repeats included; a line a
+    kill tore is skipped, as the loop skips it)."""
+    from training.loop import read_jsonl
+
+    return [(r["step"], r["train/loss"]) for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r]
+
+
+def continued(run_dir: Path, before: int, checkpoint: int, curve: dict[int, float]) -> bool:
+    """True when what was logged after the first `before` records starts at the step after `checkpoint` and is
+    `curve` from there on, bit for bit (a restart from scratch starts at step 1)."""
+    after = logged_losses(run_dir)[before:]
+    return after == [(step, curve[step]) for step in sorted(curve) if step > checkpoint]
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """train/loss per step from metrics.jsonl; after a resume the re-run steps' last values win."""
     result: dict[int, float] = {}

@@ -218,6 +218,7 @@ def test_ray_data_tokenizes_sources_on_the_store_like_local_processes(
         (tmp_path / "corpus" / f"part-{part}.jsonl").write_bytes(data)
         store.write_bytes(f"part-{part}.jsonl", data)
     cfg = small_data_cfg.model_copy(update={"max_documents": None, "num_workers": 2})
+    ray.shutdown()  # an instance an earlier test started in this process has workers without the store's credentials
     local = run_tokenize(
         cfg.model_copy(update={"sources": (f"{tmp_path}/corpus/*.jsonl",)}), tmp_path / "out"
     )

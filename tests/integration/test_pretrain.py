@@ -15,7 +15,9 @@ from tests.pretrain_helpers import (
     GOLDEN,
     MOE,
     cli,
+    continued,
     kill_after_checkpoint,
+    logged_losses,
     logged_once,
     losses,
     smoke_overrides,
@@ -210,6 +212,7 @@ def test_exact_resume_after_sigkill(case: str, golden_run: TrainedModel, tmp_pat
     done = [s for s, _ in ckpt.complete_checkpoints(run_dir / "checkpoints")]
     assert done and done[-1] < 20, f"killed too late: {done}"
     first_run_id = ckpt.read_meta(ckpt.latest_checkpoint(run_dir / "checkpoints"))["mlflow_run_id"]
+    killed_records = len(logged_losses(run_dir))
     # what a kill in the middle of a save leaves: a staging directory and a renamed one without its marker
     ckpt.prepare_staging(run_dir / "checkpoints", 200)
     (run_dir / "checkpoints" / "step-00000199").mkdir()
@@ -217,6 +220,8 @@ def test_exact_resume_after_sigkill(case: str, golden_run: TrainedModel, tmp_pat
     resumed = pretrain_cli(out, *extra, workers=workers)
     assert resumed.mlflow_run_id == first_run_id is not None  # the same MLflow run continues
     assert losses(Path(resumed.run_dir)) == curve  # every step, bit for bit
+    # the rerun's own first step is the one after the checkpoint, with the uninterrupted run's loss
+    assert continued(run_dir, killed_records, done[-1], curve), logged_losses(run_dir)
     assert logged_once(run_dir, done[-1]), "steps before the checkpoint were trained twice: a restart"
     from training.parallel import fp32_state_dict
 
