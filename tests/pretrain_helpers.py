@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "assets" / "corpus" / "stdlib_docstrings.jsonl"
@@ -70,6 +73,29 @@ def kill_when(args: list[str], ready: Callable[[], bool], log: Path) -> None:
             time.sleep(0.01)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+        kill_session(process.pid)
+
+
+def kill_session(session: int) -> None:
+    """SIGKILL what is left of session `session`: Ray runs its workers in process groups of their own, which outlive
+    a kill of the driver's group and went on training and checkpointing for seconds (an EP=2 run killed after step
+    5 wrote step 10 afterwards)."""
+    deadline = time.monotonic() + 60
+    while True:
+        left = []
+        for proc in psutil.process_iter():
+            try:
+                if os.getsid(proc.pid) == session and proc.status() != psutil.STATUS_ZOMBIE:
+                    left.append(proc)
+            except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+                continue
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"processes of the killed launch still alive: {left}"
+        for proc in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(left, timeout=5)
 
 
 def kill_after_checkpoint(args: list[str], stage_dir: Path, step: int, log: Path) -> Path:

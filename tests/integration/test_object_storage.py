@@ -38,6 +38,18 @@ STEPS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_ray_instance(s3):
+    """Ray workers take their environment from the instance's start: one an earlier test started in this process
+    lacks the S3 server's credentials (workers failed with "no S3 credentials"), so this module starts its own
+    once the server's variables are set, and leaves none behind."""
+    import ray
+
+    ray.shutdown()
+    yield
+    ray.shutdown()
+
+
 def pretrain(uri: str) -> subprocess.CompletedProcess[str]:
     return cli("pretrain", "smoke", *with_sets(smoke_overrides(uri, *STEPS)))
 
@@ -218,7 +230,6 @@ def test_ray_data_tokenizes_sources_on_the_store_like_local_processes(
         (tmp_path / "corpus" / f"part-{part}.jsonl").write_bytes(data)
         store.write_bytes(f"part-{part}.jsonl", data)
     cfg = small_data_cfg.model_copy(update={"max_documents": None, "num_workers": 2})
-    ray.shutdown()  # an instance an earlier test started in this process has workers without the store's credentials
     local = run_tokenize(
         cfg.model_copy(update={"sources": (f"{tmp_path}/corpus/*.jsonl",)}), tmp_path / "out"
     )
