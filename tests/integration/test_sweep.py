@@ -153,10 +153,10 @@ def test_asha_stops_poor_learning_rates_early(tmp_path):
     assert any(r["status"] == "completed" and r["lr"] == 3e-3 for r in rows)
 
 
-def test_cli_sweep_runs_new_trials_with_a_live_progress_bar(sweep_setup):
-    """`lmforge sweep` hands Tune a callback wrapping a rich progress bar (which cannot be pickled)."""
-    recipe, _, _, _ = sweep_setup
-    overrides = smoke_overrides(Path(recipe.output_dir), "sweep.budgets=[2e10]", "sweep.depths=[2]")
+def test_cli_sweep_runs_new_trials_with_a_live_progress_bar(tmp_path: Path):
+    """`lmforge sweep` hands Tune a callback wrapping a rich progress bar (which cannot be pickled). Its own output
+    directory: sharing the module's rewrote the results table the other tests read (in random order it ran first)."""
+    overrides = smoke_overrides(tmp_path, "sweep.budgets=[2e10]", "sweep.depths=[2]")
     result = cli("sweep", "smoke", *with_sets(overrides))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(1 completed, 0 stopped early)" in result.stdout
