@@ -115,18 +115,17 @@ def test_rerun_skips_finished_work(sweep_setup):
 
 def test_rerun_after_a_lost_sweep_manifest_reuses_finished_trials(sweep_setup):
     recipe, data, result, _ = sweep_setup
-    manifest = Path(result.sweep_dir) / "manifest.json"
-    saved = manifest.read_bytes()
+    manifest, table = Path(result.sweep_dir) / "manifest.json", Path(result.results)
+    saved = {manifest: manifest.read_bytes(), table: table.read_bytes()}
     manifest.unlink()
     try:
         again = run_sweep(recipe.sweep_spec(), data)
-    finally:  # the other tests of this module read the original sweep, in any order
-        manifest.write_bytes(saved)
+        rebuilt = pq.read_table(again.results).to_pylist()
+    finally:  # the other tests of this module read the original sweep (its table too: rebuilt rows ran no trial)
+        for path, content in saved.items():
+            path.write_bytes(content)
     assert again.wall_seconds == 0.0 and again.trial_seconds == 0.0  # no trial ran
-    assert (
-        pq.read_table(again.results).column("loss").to_pylist()
-        == pq.read_table(result.results).column("loss").to_pylist()
-    )
+    assert [r["loss"] for r in rebuilt] == pq.read_table(result.results).column("loss").to_pylist()
     assert again.mlflow_run_id == result.mlflow_run_id
 
 
@@ -153,10 +152,10 @@ def test_asha_stops_poor_learning_rates_early(tmp_path):
     assert any(r["status"] == "completed" and r["lr"] == 3e-3 for r in rows)
 
 
-def test_cli_sweep_runs_new_trials_with_a_live_progress_bar(tmp_path: Path):
-    """`lmforge sweep` hands Tune a callback wrapping a rich progress bar (which cannot be pickled). Its own output
-    directory: sharing the module's rewrote the results table the other tests read (in random order it ran first)."""
-    overrides = smoke_overrides(tmp_path, "sweep.budgets=[2e10]", "sweep.depths=[2]")
+def test_cli_sweep_runs_new_trials_with_a_live_progress_bar(sweep_setup):
+    """`lmforge sweep` hands Tune a callback wrapping a rich progress bar (which cannot be pickled)."""
+    recipe, _, _, _ = sweep_setup
+    overrides = smoke_overrides(Path(recipe.output_dir), "sweep.budgets=[2e10]", "sweep.depths=[2]")
     result = cli("sweep", "smoke", *with_sets(overrides))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(1 completed, 0 stopped early)" in result.stdout
