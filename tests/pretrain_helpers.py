@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -107,9 +106,7 @@ def kill_after_checkpoint(args: list[str], stage_dir: Path, step: int, log: Path
 
 def logged_once(run_dir: Path, upto: int) -> bool:
     """True when steps 1..`upto` were each logged exactly once, in order: a resume, not a restart."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    trained = [r["step"] for r in records if "train/loss" in r and r["step"] <= upto]
-    return trained == list(range(1, upto + 1))
+    return [step for step, _ in logged_losses(run_dir) if step <= upto] == list(range(1, upto + 1))
 
 
 def with_sets(overrides: list[str]) -> list[str]:
@@ -133,12 +130,7 @@ def continued(run_dir: Path, before: int, checkpoint: int, curve: dict[int, floa
 
 def losses(run_dir: Path) -> dict[int, float]:
     """train/loss per step from metrics.jsonl; after a resume the re-run steps' last values win."""
-    result: dict[int, float] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "train/loss" in record:
-            result[record["step"]] = record["train/loss"]
-    return result
+    return dict(logged_losses(run_dir))
 
 
 # Fine-tuning and evaluation settings shared by the smoke runs of several test modules; none of them changes

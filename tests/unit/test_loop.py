@@ -254,9 +254,8 @@ def test_a_remote_checkpoint_is_marked_complete_only_after_its_files(tmp_path: P
             self.writes.append(f"put {relative}")
             if relative.endswith("/COMPLETE"):
                 self.completes[relative] = json.loads(local.read_text())
-            Path(self.key(relative)).parent.mkdir(
-                parents=True, exist_ok=True
-            )  # a local "bucket" needs folders
+            # a local "bucket" needs its folders
+            Path(self.key(relative)).parent.mkdir(parents=True, exist_ok=True)
             super().upload(local, relative)
 
         def delete(self, relative: str) -> None:
