@@ -274,23 +274,38 @@ def bootstrap(
     delta: float = HUBER_DELTA,
     max_iter: int = 300,
 ) -> Bootstrap:
-    """Refit on `n_resamples` resamples of the runs (drawn with replacement) and collect every parameter.
+    """Refit on `n_resamples` resamples of the runs (drawn with replacement, each with all its points: the
+    horizons of one run share its noise) and collect every parameter. With one point per run (a plain table)
+    this is Epoch's bootstrap of the points.
 
     Resamples enter as multiplicity weights, so all refits run in one vectorised L-BFGS.
     """
     log_n, log_d, log_l = _data(points)
+    runs = points.runs
+    n_runs = int(runs.max()) + 1
     rng = np.random.default_rng(seed)
-    weights = rng.multinomial(len(points), np.full(len(points), 1.0 / len(points)), size=n_resamples).astype(
-        float
+    weights = rng.multinomial(n_runs, np.full(n_runs, 1.0 / n_runs), size=n_resamples).astype(float)[:, runs]
+    return refit(
+        law,
+        lambda t, rows: batched_objective(t, log_n, log_d, log_l, weights[rows], delta),
+        n_resamples,
+        level,
+        max_iter,
     )
+
+
+def refit(
+    law: Law,
+    fun: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+    n_resamples: int,
+    level: float,
+    max_iter: int,
+) -> Bootstrap:
+    """Run `n_resamples` refits (`fun(theta, rows)`: the resampled objectives) from `law` together; keep the
+    finite ones."""
     start = np.tile(law.theta(), (n_resamples, 1))
     with np.errstate(over="ignore", invalid="ignore"):
-        x, _, _ = batched_lbfgs(
-            lambda t, rows: batched_objective(t, log_n, log_d, log_l, weights[rows], delta),
-            start,
-            max_iter=max_iter,
-            gtol=1e-6,
-        )
+        x, _, _ = batched_lbfgs(fun, start, max_iter=max_iter, gtol=1e-6)
     # a resample of a small table can lose a whole size or budget and run off to infinity: keep finite fits
     finite = np.all(np.isfinite(x), axis=1) & np.all(np.abs(x) < 100, axis=1)
     laws = [Law.from_theta(t) for t in x[finite]]

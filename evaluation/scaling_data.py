@@ -8,7 +8,7 @@ a table that cannot support a fit is refused with a message that says why.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "c": ("c", "flops", "compute", "trainingflop", "trainingflops", "budget"),
     "loss": ("loss", "finalloss", "finalvalloss", "valloss", "validationloss"),
     "n_total": ("ntotal", "totalparams"),
+    "run": ("run", "runid", "rundir", "trial"),
 }
 
 
@@ -36,7 +37,9 @@ class ScalingDataError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class ScalingPoints:
-    """One row per training run. `c` defaults to 6·N·D; `n_total` equals `n` for dense models."""
+    """One row per (run, horizon). `c` defaults to 6·N·D; `n_total` equals `n` for dense models; `run` labels the
+    training run each point comes from (the points of one multi-horizon run share its noise), by default one run
+    per point."""
 
     n: np.ndarray
     d: np.ndarray
@@ -46,13 +49,30 @@ class ScalingPoints:
     dropped: int = 0
     source: str = ""
     notes: list[str] = field(default_factory=list)
+    run: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.loss)
 
+    @property
+    def runs(self) -> np.ndarray:
+        """Each point's run as an index 0..R-1."""
+        if self.run is None:
+            return np.arange(len(self))
+        return np.unique(self.run, return_inverse=True)[1].ravel()
+
     def subset(self, mask: np.ndarray) -> ScalingPoints:
+        run = None if self.run is None else self.run[mask]
         return ScalingPoints(
-            self.n[mask], self.d[mask], self.loss[mask], self.c[mask], self.n_total[mask], 0, self.source
+            self.n[mask],
+            self.d[mask],
+            self.loss[mask],
+            self.c[mask],
+            self.n_total[mask],
+            0,
+            self.source,
+            [],
+            run,
         )
 
     def budgets(self, rel_tol: float = 0.05) -> np.ndarray:
@@ -114,11 +134,22 @@ def points_from_table(table: pa.Table, source: str = "") -> ScalingPoints:
     d = col("d") if cols["d"] else col("c") / (6.0 * n)
     c = col("c") if cols["c"] else 6.0 * n * d
     n_total = col("n_total") if cols["n_total"] else n.copy()
+    run = np.asarray(table.column(cols["run"]).to_pylist(), dtype=str) if cols["run"] else None
     good = np.isfinite(n) & np.isfinite(d) & np.isfinite(loss) & (n > 0) & (d > 0) & (loss > 0)
     dropped = int((~good).sum())
     if dropped:
         log.warning("%s: dropped %d rows with non-finite or non-positive N, D or loss", source, dropped)
-    return ScalingPoints(n[good], d[good], loss[good], c[good], n_total[good], dropped, source)
+    return ScalingPoints(
+        n[good],
+        d[good],
+        loss[good],
+        c[good],
+        n_total[good],
+        dropped,
+        source,
+        [],
+        None if run is None else run[good],
+    )
 
 
 def load_points(path: str | Path, drop_highest: int = 0) -> ScalingPoints:
@@ -132,11 +163,7 @@ def load_points(path: str | Path, drop_highest: int = 0) -> ScalingPoints:
     if drop_highest:
         threshold = np.sort(points.loss)[-drop_highest]
         keep = points.loss < threshold
-        points = ScalingPoints(
-            *(a[keep] for a in (points.n, points.d, points.loss, points.c, points.n_total)),
-            dropped=points.dropped + int((~keep).sum()),
-            source=points.source,
-        )
+        points = replace(points.subset(keep), dropped=points.dropped + int((~keep).sum()))
     return points
 
 

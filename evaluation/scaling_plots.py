@@ -51,7 +51,7 @@ def _isoflop(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, fit: Any, 
     )
     rung = fit.rung
     if rung is not None:
-        lo, hi = rung.interval
+        lo, hi = rung.check_interval
         ax.errorbar(
             rung.n,
             rung.loss,
@@ -60,7 +60,7 @@ def _isoflop(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, fit: Any, 
             mfc="none",
             color="red",
             capsize=4,
-            label=f"rung at C = {fit.optimal.budget:.2g}: predicted (95%)",
+            label=f"rung at C = {fit.optimal.budget:.2g}: predicted (95% for a run)",
         )
         if rung.measured_loss is not None:
             ax.plot(rung.n, rung.measured_loss, "rx", ms=10, mew=2, label="rung: measured")
@@ -98,7 +98,8 @@ def _prediction(fit: Any, path: Path) -> None:
         shown += [*measured, *bounds.ravel()]
     rung = fit.rung
     if rung is not None and rung.measured_loss is not None:
-        err = [[rung.loss - rung.interval[0]], [rung.interval[1] - rung.loss]]
+        lo, hi = rung.check_interval
+        err = [[rung.loss - lo], [hi - rung.loss]]
         ax.errorbar(
             rung.measured_loss,
             rung.loss,
@@ -108,14 +109,14 @@ def _prediction(fit: Any, path: Path) -> None:
             capsize=4,
             label=f"rung at C = {fit.optimal.budget:.2g} (error {rung.rel_error:.1%})",
         )
-        shown += [rung.measured_loss, *rung.interval]
+        shown += [rung.measured_loss, lo, hi]
     if shown:
         lo, hi = min(shown), max(shown)
         pad = 0.05 * (hi - lo or 1.0)
         ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], "k-", lw=0.8, label="predicted = measured")
     ax.set(
         xlabel="measured loss (nats/token)",
-        ylabel="predicted loss (nats/token), 95% interval",
+        ylabel="predicted loss (nats/token), 95% interval for a run",
         title="Scaling-law predictions",
     )
     ax.legend(fontsize=7)

@@ -5,14 +5,16 @@ size for a target budget, a held-out-budget check, plots and `fit.json`.
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel
 
-from evaluation.chinchilla_fit import Law, bootstrap, fit_law
+from evaluation.chinchilla_fit import Law
 from evaluation.isoflop import IsoFlopFit, fit_parabolas
+from evaluation.law_noise import IntervalMethod, NoiseModel, calibrated_fit, prediction_interval
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points
 from infra.steps import Artifact
 from infra.storage import atomic_write_json
@@ -36,13 +38,16 @@ class ComputeOptimal(BaseModel):
 
 
 class Prediction(BaseModel):
-    """The law's loss at one (N, D) with a 95% bootstrap interval, made before the run; then, once it has
-    trained, the measured loss and whether the prediction held (inside the interval and within 3%)."""
+    """The law's loss at one (N, D), made before the run, with two 95% intervals: where the law's value lies
+    (`interval`, the confidence interval) and where one new run's loss lands (`run_interval`, the prediction
+    interval: the law's uncertainty plus a run's own scatter). Once it has trained: the measured loss and whether
+    the prediction held (inside the prediction interval and within 3%)."""
 
     n: float
     d: float
     loss: float
     interval: tuple[float, float]
+    run_interval: tuple[float, float] | None = None  # None in fits made before lmforge reported it
     task_loss: float | None = None  # the downstream probe's law, when the sweep measured one
     task_interval: tuple[float, float] | None = None
     measured_loss: float | None = None
@@ -52,9 +57,15 @@ class Prediction(BaseModel):
     inside_interval: bool | None = None
     held: bool | None = None
 
+    @property
+    def check_interval(self) -> tuple[float, float]:
+        """What a measured run is judged against: the prediction interval (the law's, in older fits)."""
+        return self.run_interval or self.interval
+
     def check(self, loss: float, task_loss: float | None) -> Prediction:
         rel = abs(loss - self.loss) / loss
-        inside = self.interval[0] <= loss <= self.interval[1]
+        lo, hi = self.check_interval
+        inside = lo <= loss <= hi
         task_rel = (
             abs(task_loss - self.task_loss) / task_loss if task_loss is not None and self.task_loss else None
         )
@@ -87,6 +98,9 @@ class ScalingFit(Artifact):
     intervals: dict[str, tuple[float, float]]
     n_bootstrap: int
     n_bootstrap_diverged: int = 0
+    interval_method: str = "points"  # how the bootstrap resampled: noise (model), runs or points
+    noise: dict[str, float] | None = None  # the scatter of runs around the law (NoiseModel's fields)
+    huber_delta: float | None = None  # the fit's Huber threshold in log loss
     approach2: dict[str, Any]
     optimal: ComputeOptimal
     holdout: dict[str, Any] | None
@@ -104,6 +118,10 @@ class ScalingFit(Artifact):
 
     def to_law(self) -> Law:
         return Law(**{k: self.law[k] for k in LAW_KEYS})
+
+    def noise_model(self) -> NoiseModel:
+        """The runs' scatter (none recorded: a fit from before lmforge measured it)."""
+        return NoiseModel(**self.noise) if self.noise else NoiseModel(0.0, 0.0)
 
     def save(self, out_dir: str | Path) -> None:
         atomic_write_json(Path(out_dir) / FIT_FILE, self.model_dump(mode="json"))
@@ -124,12 +142,17 @@ def intervals_at(
     return lo, hi
 
 
-def predict(
-    law: Law, samples: dict[str, np.ndarray], n: float, d: float
-) -> tuple[float, tuple[float, float]]:
-    """The law's loss at (N, D) and the 95% interval over the bootstrap laws."""
+def predict(law: Law, samples: dict[str, np.ndarray], noise: NoiseModel, n: float, d: float) -> Prediction:
+    """The law's loss at (N, D) with its confidence interval (over the bootstrap laws) and a new run's
+    prediction interval."""
     lo, hi = intervals_at(samples, n, d)
-    return float(law.loss(n, d)), (float(lo[0]), float(hi[0]))
+    return Prediction(
+        n=n,
+        d=d,
+        loss=float(law.loss(n, d)),
+        interval=(float(lo[0]), float(hi[0])),
+        run_interval=prediction_interval(samples, noise, n, d),
+    )
 
 
 def load_samples(out_dir: str | Path, name: str = BOOTSTRAP_FILE) -> dict[str, np.ndarray]:
@@ -160,7 +183,7 @@ def compute_optimal(
 
 
 def holdout_check(
-    points: ScalingPoints, starts: np.ndarray | None, n_bootstrap: int = 500
+    points: ScalingPoints, starts: np.ndarray | None, n_bootstrap: int = 500, method: IntervalMethod = "noise"
 ) -> dict[str, Any] | None:
     """Fit on all runs but those of the largest budget(s) and report the relative error predicting them.
 
@@ -178,12 +201,17 @@ def holdout_check(
     held = labels >= budgets[k - 1]
     train, test = points.subset(~held), points.subset(held)
     try:
-        law = fit_law(train, starts=starts).law
+        fitted = calibrated_fit(train, starts=starts, n_resamples=n_bootstrap, method=method)
     except ScalingDataError as err:
         return {"skipped": str(err)}
+    law = fitted.fit.law
     predicted = law.loss(test.n, test.d)
     rel = np.abs(predicted - test.loss) / test.loss
-    lo, hi = intervals_at(bootstrap(train, law, n_resamples=n_bootstrap).samples, test.n, test.d)
+    runs = [
+        prediction_interval(fitted.boot.samples, fitted.noise, n, d)
+        for n, d in zip(test.n, test.d, strict=True)
+    ]
+    lo, hi = np.array(runs).T  # each held-out point is a new run's: its prediction interval
     return {
         "min_budget": float(budgets[k - 1]),
         "n_train": len(train),
@@ -227,18 +255,21 @@ def run_fit_scaling(
     param_count: str = "matmul",
     moe: bool | None = None,
     write: bool = True,
+    method: IntervalMethod = "noise",
 ) -> ScalingFit:
     """Fit a results table (Parquet/CSV path or points) and write fit.json, the bootstrap laws and the plots
-    into `out_dir` (with `write=False` the caller adds to the fit and saves it)."""
+    into `out_dir` (with `write=False` the caller adds to the fit and saves it). `method` is how the bootstrap
+    resamples (`calibrated_fit`): the noise model (default; calibrated on simulated sweeps by
+    benchmarks/scaling_calibration.py), whole runs, or points as Epoch did."""
     if target_budget is not None and not target_budget > 0:
         raise ScalingDataError(
             f"target budget {target_budget} FLOPs: give a positive compute budget (--budget)"
         )
     points = table if isinstance(table, ScalingPoints) else load_points(table, drop_highest)
     t0 = time.perf_counter()
-    result = fit_law(points, starts=starts)
+    fitted = calibrated_fit(points, starts=starts, n_resamples=n_bootstrap, method=method)
+    result, boot = fitted.fit, fitted.boot
     fit_seconds = time.perf_counter() - t0
-    boot = bootstrap(points, result.law, n_resamples=n_bootstrap)
     try:
         iso, iso_error = fit_parabolas(points), None
     except ScalingDataError as err:
@@ -256,9 +287,12 @@ def run_fit_scaling(
         intervals=boot.intervals(),
         n_bootstrap=boot.n,
         n_bootstrap_diverged=boot.n_diverged,
+        interval_method=method,
+        noise=asdict(fitted.noise),
+        huber_delta=fitted.delta,
         approach2=approach2_summary(iso, iso_error),
         optimal=compute_optimal(points, result.law, boot.samples, budget),
-        holdout=holdout_check(points, starts),
+        holdout=holdout_check(points, starts, method=method),
         # a table says MoE when its total parameters are well above the active ones (norms and an untied
         # embedding alone never double a dense model)
         moe=moe if moe is not None else bool(np.any(points.n_total > 2.0 * points.n)),
@@ -298,13 +332,20 @@ def headline(fit: ScalingFit) -> str:
 
     lines = [
         f"L(N, D) = E + A/N^alpha + B/D^beta fitted on {fit.n_points} runs ({fit.dropped} dropped), "
-        f"{fit.n_starts} starts, {fit.fit_seconds:.1f} s; 95% bootstrap intervals ({fit.n_bootstrap} resamples):",
+        f"{fit.n_starts} starts, {fit.fit_seconds:.1f} s with its bootstrap; 95% intervals ({fit.n_bootstrap} "
+        f"resamples, {fit.interval_method}):",
         "  " + ", ".join(fmt(k) for k in ("E", "A", "B", "alpha", "beta")),
         f"  N* ∝ C^{law['a']:.3f}, D* ∝ C^{law['b']:.3f}",
         f"At C={opt.budget:.3g} FLOPs: N*={opt.n_opt:.4g} (95% {opt.n_opt_interval[0]:.3g}–{opt.n_opt_interval[1]:.3g}), "
         f"D*={opt.d_opt:.4g}, {opt.tokens_per_param:.1f} tokens/param, loss {opt.loss:.4f} "
         f"[{opt.loss_interval[0]:.4f}, {opt.loss_interval[1]:.4f}]",
     ]
+    if fit.noise:
+        noise = fit.noise_model()
+        lines.append(
+            f"  runs scatter around the law by {noise.run_sd:.2%} (shared by a run's horizons) and {noise.point_sd:.2%} "
+            f"per point (log loss); Huber threshold {fit.huber_delta:.3g}"
+        )
     if ci["E"][1] - ci["E"][0] <= 1e-9 * max(1.0, law["E"]) or law["E"] < 1e-6:
         lines.append(
             f"  warning: E={law['E']:.3g} sits at its bound (interval {ci['E'][0]:.3g}–{ci['E'][1]:.3g}): the data "
@@ -353,7 +394,12 @@ def rung_lines(rung: Prediction | None) -> list[str]:
     """The rung's predicted loss (and task loss) with its interval, and once trained its measurement."""
     if rung is None:
         return []
-    line = f"Rung N={rung.n:,.0f}, D={rung.d:,.0f}: predicted loss {rung.loss:.4f} [{rung.interval[0]:.4f}, {rung.interval[1]:.4f}]"
+    line = (
+        f"Rung N={rung.n:,.0f}, D={rung.d:,.0f}: predicted loss {rung.loss:.4f}, law 95% "
+        f"[{rung.interval[0]:.4f}, {rung.interval[1]:.4f}]"
+    )
+    if rung.run_interval:
+        line += f", a run 95% [{rung.run_interval[0]:.4f}, {rung.run_interval[1]:.4f}]"
     if rung.measured_loss is not None:
         verdict = "held" if rung.held else "did not hold"
         line += f", measured {rung.measured_loss:.4f} (error {rung.rel_error:.2%}: the prediction {verdict})"

@@ -94,7 +94,7 @@ def scaling_tags(scaling: ScalingFit | None) -> dict[str, str]:
         return {}
     return {
         "scaling.prediction_held": str(rung.held).lower(),
-        "scaling.predicted_loss": f"{rung.loss:.4f} [{rung.interval[0]:.4f}, {rung.interval[1]:.4f}]",
+        "scaling.predicted_loss": f"{rung.loss:.4f} [{rung.check_interval[0]:.4f}, {rung.check_interval[1]:.4f}]",
         "scaling.measured_loss": f"{rung.measured_loss:.4f}",
         "scaling.rel_error": f"{rung.rel_error:.4f}",
     }

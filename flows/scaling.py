@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,12 +18,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_pipeline.shards import DatasetManifest
-from evaluation.chinchilla_fit import bootstrap, fit_law
+from evaluation.law_noise import calibrated_fit
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, points_from_table
 from evaluation.scaling_report import (
     FIT_FILE,
     PLOTS,
-    Prediction,
     ScalingFit,
     load_samples,
     predict,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from flows.recipe import Recipe
 
 log = logging.getLogger(__name__)
-FIT_VERSION = 1
+FIT_VERSION = 2  # 2: Huber threshold from the noise, intervals from the noise model, prediction intervals
 RUNG_VERSION = 1
 
 
@@ -61,14 +61,12 @@ def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
         if key not in best or row[column] < best[key][column]:
             best[key] = row
     chosen = pa.Table.from_pylist(list(best.values())) if best else table.slice(0, 0)
-    fields = ["N", "N_total", "D", "C"]
+    fields = ["N", "N_total", "D", "C", "run_dir"]
     chosen = chosen.select([*fields, column]).rename_columns(
         [*fields, "loss"]
-    )  # `column` is what gets fitted
+    )  # `column` is what gets fitted; the points of one multi-horizon run share its run directory
     points = points_from_table(chosen, source=str(results))
-    return ScalingPoints(
-        points.n, points.d, points.loss, points.c, points.n_total, len(table) - len(points), points.source
-    )
+    return replace(points, dropped=len(table) - len(points))
 
 
 def target_budget(recipe: Recipe) -> float:
@@ -122,24 +120,28 @@ def _fit(
     )
     rung, _ = size_for_budget(recipe, fit.optimal.n_opt, budget)
     n, d = rung_size(rung)
-    loss, interval = predict(fit.to_law(), load_samples(out), n, d)
-    prediction = Prediction(n=n, d=d, loss=loss, interval=interval)
+    prediction = predict(fit.to_law(), load_samples(out), fit.noise_model(), n, d)
     contamination = contamination_report(data) if recipe.sweep.probe and data is not None else None
     updates: dict[str, Any] = {"contamination": contamination}
     task_points = sweep_points(sweep.results, "task_loss") if recipe.sweep.probe else None
     if task_points is not None and len(task_points) > 5:
-        task = fit_law(task_points)
-        task_boot = bootstrap(task_points, task.law, n_resamples=n_bootstrap // 2)
-        task_loss, task_interval = predict(task.law, task_boot.samples, n, d)
-        prediction = prediction.model_copy(update={"task_loss": task_loss, "task_interval": task_interval})
-        updates |= {"task_law": task.law.as_dict(), "task_intervals": task_boot.intervals()}
+        task = calibrated_fit(task_points, n_resamples=n_bootstrap // 2)
+        task_loss = predict(task.fit.law, task.boot.samples, task.noise, n, d)
+        prediction = prediction.model_copy(
+            update={"task_loss": task_loss.loss, "task_interval": task_loss.interval}
+        )
+        updates |= {"task_law": task.fit.law.as_dict(), "task_intervals": task.boot.intervals()}
     fit = fit.model_copy(update={**updates, "rung": prediction})
     write_fit_plots(fit, points, out)
     fit.save(out)
     tracker = existing_run(recipe.tracking, recipe.output_dir, sweep.mlflow_run_id).tracker()
     tracker.log_metrics({f"fit/{k}": v for k, v in fit.law.items()}, step=0)
     tracker.log_metrics(
-        {"fit/n_opt": fit.optimal.n_opt, "fit/d_opt": fit.optimal.d_opt, "fit/rung_predicted_loss": loss},
+        {
+            "fit/n_opt": fit.optimal.n_opt,
+            "fit/d_opt": fit.optimal.d_opt,
+            "fit/rung_predicted_loss": prediction.loss,
+        },
         step=0,
     )
     for name in (FIT_FILE, *PLOTS):

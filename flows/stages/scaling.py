@@ -94,6 +94,7 @@ def fit_headline(law: ScalingFit) -> dict[str, Any]:
     rung = law.rung
     if rung is not None:
         numbers |= {"rung predicted loss": round(rung.loss, 4), "rung 95% interval": list(rung.interval)}
+        numbers |= {"rung 95% prediction interval (a run)": list(rung.check_interval)}
         numbers |= {"rung measured loss": rung.measured_loss, "fit/rung_rel_error": rung.rel_error}
         numbers |= {"prediction held": rung.held}
         if rung.task_loss is not None:

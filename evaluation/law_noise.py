@@ -1,0 +1,201 @@
+"""How runs scatter around a fitted law, and intervals that respect it.
+
+In log loss, a point is the law plus a run's own offset (shared by every horizon of a multi-horizon run: its
+shape, its seed, its stable phase) plus independent noise per point. The two variances are estimated by the
+method of moments on the fit's residuals, with what the fit itself absorbs taken out (the residuals of a
+5-parameter fit to 21 points are smaller than the noise). The parametric bootstrap then redraws whole sweeps
+from that model around the fit and refits each: its spread of laws is the confidence interval of the law; a
+new run's loss adds its own offset and noise on top (the prediction interval).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+
+from evaluation.chinchilla_fit import (
+    HUBER_DELTA,
+    Bootstrap,
+    FitResult,
+    Law,
+    batched_objective,
+    bootstrap,
+    fit_law,
+    refit,
+)
+from evaluation.scaling_data import ScalingPoints
+
+HUBER_TUNING = (
+    1.345  # Huber's constant: 95% of least squares' efficiency on Gaussian noise, robust to outliers
+)
+IntervalMethod = Literal[
+    "noise", "runs", "points"
+]  # redraw from the noise model; resample runs; resample points
+
+
+@dataclass(frozen=True)
+class NoiseModel:
+    """log L = log L_law(N, D) + u_run + e_point, u ~ N(0, run_sd²), e ~ N(0, point_sd²).
+
+    An estimated model also carries each variance's degrees of freedom (Satterthwaite): seven runs pin the run
+    variance about as well as three, and intervals that took it as exact would be too narrow (as z-intervals are
+    where t-intervals belong), so the bootstrap draws each resample's variances from their uncertainty."""
+
+    run_sd: float
+    point_sd: float
+    run_df: float = math.inf
+    point_df: float = math.inf
+
+    @property
+    def total_sd(self) -> float:
+        """The scatter of one new run's loss around the law."""
+        return float(np.hypot(self.run_sd, self.point_sd))
+
+    def draw(self, rng: np.random.Generator, runs: np.ndarray, size: int) -> np.ndarray:
+        """(size, P) log-loss noise for points labelled by `runs` (0..R-1): one offset per run, one per point;
+        with finite degrees of freedom, each row's standard deviations are drawn first (scaled inverse χ²)."""
+        n_runs = int(runs.max()) + 1
+        run_sd = self.run_sd * _sd_factor(rng, self.run_df, size)
+        point_sd = self.point_sd * _sd_factor(rng, self.point_df, size)
+        return run_sd * rng.normal(0.0, 1.0, (size, n_runs))[:, runs] + point_sd * rng.normal(
+            0.0, 1.0, (size, len(runs))
+        )
+
+
+def _sd_factor(rng: np.random.Generator, df: float, size: int) -> np.ndarray:
+    """(size, 1) factors by which a standard deviation estimated with `df` degrees of freedom may differ from
+    the true one: sqrt(df / χ²_df), 1 when it is known."""
+    if not math.isfinite(df):
+        return np.ones((size, 1))
+    return np.sqrt(df / rng.chisquare(max(df, 0.5), (size, 1)))
+
+
+def log_jacobian(law: Law, n: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """(P, 5) derivatives of log L(N, D) with respect to (log A, log B, log E, α, β)."""
+    t_n, t_d = law.A * np.power(n, -law.alpha), law.B * np.power(d, -law.beta)
+    total = t_n + t_d + law.E
+    return (
+        np.stack([t_n, t_d, np.full_like(t_n, law.E), -t_n * np.log(n), -t_d * np.log(d)], axis=1)
+        / total[:, None]
+    )
+
+
+def estimate_noise(points: ScalingPoints, law: Law) -> NoiseModel:
+    """Method-of-moments estimates of the run and point variances from the residuals r = (I − H)·noise, where
+    H projects onto what the fit absorbs (its Jacobian's column space): the between-run and within-run sums of
+    squares have expectations linear in the two variances; solve, and clip a negative one to zero. With one
+    point per run the two cannot be told apart and all the scatter is per point."""
+    residual = np.log(points.loss) - np.log(law.loss(points.n, points.d))
+    jac = log_jacobian(law, points.n, points.d)
+    keep = np.eye(len(points)) - jac @ np.linalg.pinv(jac)
+    runs = points.runs
+    member = np.eye(int(runs.max()) + 1)[runs]  # (P, R) one-hot
+    between = member @ np.diag(1.0 / member.sum(0)) @ member.T  # projects onto run means
+    within = np.eye(len(points)) - between
+    shared = keep @ member @ member.T @ keep  # the covariance a unit run variance leaves in the residuals
+    dof = float(np.trace(keep))  # residual degrees of freedom, P − 5
+    if np.trace(within) < 0.5:  # one point per run
+        return NoiseModel(0.0, float(np.sqrt(residual @ residual / max(dof, 1e-12))), point_df=dof)
+    sums = np.array([residual @ between @ residual, residual @ within @ residual])
+    coef = np.array([[np.trace(q @ shared), np.trace(q @ keep)] for q in (between, within)])
+    run_var, point_var = np.linalg.solve(coef, sums)
+    if run_var < 0:
+        return NoiseModel(0.0, float(np.sqrt(sums.sum() / dof)), point_df=dof)
+    if point_var < 0:
+        var = sums.sum() / np.trace(shared)
+        return NoiseModel(float(np.sqrt(var)), 0.0, run_df=_satterthwaite(var * shared, var))
+    # Var(rᵀQr) = 2·tr(QΣQΣ) for Gaussian residuals of covariance Σ; carried through the 2×2 solve
+    sigma = run_var * shared + point_var * keep
+    cov = np.array(
+        [[2 * np.trace(qi @ sigma @ qj @ sigma) for qj in (between, within)] for qi in (between, within)]
+    )
+    inv = np.linalg.inv(coef)
+    var_of = np.diag(inv @ cov @ inv.T)
+    return NoiseModel(
+        float(np.sqrt(run_var)),
+        float(np.sqrt(point_var)),
+        run_df=float(2 * run_var**2 / var_of[0]),
+        point_df=float(2 * point_var**2 / var_of[1]),
+    )
+
+
+def _satterthwaite(sigma: np.ndarray, var: float) -> float:
+    """Degrees of freedom of a variance estimated from residuals of covariance `sigma` (the whole sum of squares)."""
+    return float(2 * np.trace(sigma) ** 2 / (2 * np.trace(sigma @ sigma)) if var > 0 else math.inf)
+
+
+def noise_bootstrap(
+    points: ScalingPoints,
+    law: Law,
+    noise: NoiseModel,
+    n_resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+    delta: float = HUBER_DELTA,
+    max_iter: int = 300,
+) -> Bootstrap:
+    """Refit `n_resamples` sweeps redrawn from the fitted law and the noise model (same design: every size and
+    horizon kept, run offsets shared by a run's points)."""
+    log_n, log_d = np.log(points.n), np.log(points.d)
+    rng = np.random.default_rng(seed)
+    log_l = np.log(law.loss(points.n, points.d))[None] + noise.draw(rng, points.runs, n_resamples)
+    ones = np.ones(len(points))
+    return refit(
+        law,
+        lambda t, rows: batched_objective(t, log_n, log_d, log_l[rows], ones, delta),
+        n_resamples,
+        level,
+        max_iter,
+    )
+
+
+def prediction_interval(
+    samples: dict[str, np.ndarray], noise: NoiseModel, n: float, d: float, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Where a new run at (N, D) lands with probability `level`: each bootstrap law's loss there times a new
+    run's own scatter (offset and point noise). NaN without bootstrap laws."""
+    if len(samples["E"]) == 0:
+        return np.nan, np.nan
+    law = Law(**{k: samples[k] for k in ("E", "A", "B", "alpha", "beta")})
+    rng = np.random.default_rng(seed)
+    loss = law.loss(n, d) * np.exp(rng.normal(0.0, noise.total_sd, len(samples["E"])))
+    lo, hi = np.nanpercentile(loss, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
+
+
+@dataclass(frozen=True)
+class CalibratedFit:
+    """Approach 3 with its noise model and bootstrap: `fit.law` is the point estimate, `boot` the resampled laws
+    (the law's confidence interval), `noise` the scatter a new run adds (its prediction interval)."""
+
+    fit: FitResult
+    noise: NoiseModel
+    delta: float  # the Huber threshold the fit used, in log loss
+    boot: Bootstrap
+    method: str
+
+
+def calibrated_fit(
+    points: ScalingPoints,
+    starts: np.ndarray | None = None,
+    n_resamples: int = 2000,
+    method: IntervalMethod = "noise",
+    seed: int = 0,
+) -> CalibratedFit:
+    """Fit with Hoffmann's δ = 1e-3 (an L1 fit: robust, but inefficient when runs scatter by percents), estimate
+    the noise, refit with Huber's threshold scaled to it (δ = 1.345·σ), then bootstrap by `method`."""
+    first = fit_law(points, starts=starts)
+    delta = max(HUBER_DELTA, HUBER_TUNING * estimate_noise(points, first.law).total_sd)
+    fit = fit_law(points, starts=first.law.theta(), delta=delta) if delta > HUBER_DELTA else first
+    noise = estimate_noise(points, fit.law)
+    if method == "noise":
+        boot = noise_bootstrap(points, fit.law, noise, n_resamples=n_resamples, seed=seed, delta=delta)
+    elif method in ("runs", "points"):
+        table = points if method == "runs" else replace(points, run=None)
+        boot = bootstrap(table, fit.law, n_resamples=n_resamples, seed=seed, delta=delta)
+    else:
+        raise ValueError(f"interval method {method!r}: choose noise, runs or points")
+    return CalibratedFit(fit, noise, delta, boot, method)

@@ -1,0 +1,105 @@
+"""Sweeps drawn from a known law, to measure whether the fit's intervals cover the truth as often as they say.
+
+A design is a sweep's (N, D) points and which run each belongs to (lmforge's multi-horizon runs give one point per
+budget); a simulated sweep is the law at every point times the noise model's run offsets and point noise. For each
+simulated sweep the fit, its intervals and the rung's prediction are checked against the law that made it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from evaluation.chinchilla_fit import Law
+from evaluation.isoflop import fit_parabolas
+from evaluation.law_noise import IntervalMethod, NoiseModel, calibrated_fit, prediction_interval
+from evaluation.scaling_data import ScalingDataError, ScalingPoints
+from evaluation.scaling_report import intervals_at
+
+
+@dataclass(frozen=True)
+class Design:
+    """The (N, D) of every point of a sweep and the run it comes from."""
+
+    n: np.ndarray
+    d: np.ndarray
+    run: np.ndarray
+
+    def points(self, loss: np.ndarray) -> ScalingPoints:
+        c = 6.0 * self.n * self.d
+        return ScalingPoints(self.n, self.d, loss, c, self.n.copy(), source="synthetic", run=self.run)
+
+
+def simulate(law: Law, design: Design, noise: NoiseModel, rng: np.random.Generator) -> ScalingPoints:
+    """One sweep: the law at every point with a run offset shared by the run's points and noise per point."""
+    runs = np.unique(design.run, return_inverse=True)[1].ravel()
+    return design.points(law.loss(design.n, design.d) * np.exp(noise.draw(rng, runs, 1)[0]))
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One simulated sweep's fit against the truth: for each quantity, whether its 95% interval held the truth,
+    and the fit's N* error (Approach 3 and Approach 2) against the analytic optimum."""
+
+    covered: dict[str, bool]
+    width: dict[
+        str, float
+    ]  # relative widths (hi / lo for N*, hi − lo for exponents, (hi − lo) / truth for losses)
+    n_opt_error: float  # Approach 3's N*(target) / truth − 1
+    approach2_error: float | None  # Approach 2's, when every budget gave a parabola
+
+
+def run_trial(
+    truth: Law,
+    design: Design,
+    noise: NoiseModel,
+    budget: float,
+    method: IntervalMethod,
+    rng: np.random.Generator,
+    n_resamples: int = 1000,
+    starts: np.ndarray | None = None,
+) -> Trial:
+    """Simulate one sweep, fit it as lmforge does (`calibrated_fit`), and check α, β, N*(budget) and the rung's
+    loss at the fitted optimum (the law's, for the confidence interval; a new run's, for the prediction
+    interval) against the truth."""
+    points = simulate(truth, design, noise, rng)
+    fitted = calibrated_fit(points, starts, n_resamples, method, seed=int(rng.integers(2**31)))
+    law, boot = fitted.fit.law, fitted.boot
+    est = boot.samples
+    n_true = float(truth.optimal_n(budget))
+    boot_n = Law(**{k: est[k] for k in ("E", "A", "B", "alpha", "beta")}).optimal_n(budget)
+    n_rung = float(law.optimal_n(budget))
+    d_rung = budget / (6.0 * n_rung)
+    law_loss = float(truth.loss(n_rung, d_rung))
+    run_loss = law_loss * float(np.exp(noise.draw(rng, np.zeros(1, int), 1)[0, 0]))
+    lo_c, hi_c = (float(v[0]) for v in intervals_at(est, n_rung, d_rung))
+    lo_p, hi_p = prediction_interval(est, fitted.noise, n_rung, d_rung, seed=int(rng.integers(2**31)))
+    bounds = {
+        "alpha": boot.interval("alpha"),
+        "beta": boot.interval("beta"),
+        "n_opt": tuple(np.nanpercentile(boot_n, [2.5, 97.5])),
+        "rung_law": (lo_c, hi_c),
+        "rung_run": (lo_p, hi_p),
+    }
+    values = {
+        "alpha": truth.alpha,
+        "beta": truth.beta,
+        "n_opt": n_true,
+        "rung_law": law_loss,
+        "rung_run": run_loss,
+    }
+    covered = {k: bool(lo <= values[k] <= hi) for k, (lo, hi) in bounds.items()}
+    width = {
+        "alpha": bounds["alpha"][1] - bounds["alpha"][0],
+        "beta": bounds["beta"][1] - bounds["beta"][0],
+        "n_opt": bounds["n_opt"][1] / bounds["n_opt"][0],
+        "rung_law": (hi_c - lo_c) / law_loss,
+        "rung_run": (hi_p - lo_p) / law_loss,
+    }
+    try:
+        iso = fit_parabolas(points)
+        a2 = float(iso.n_opt(budget)) / n_true - 1 if iso.n_opt and not iso.skipped else None
+    except ScalingDataError:
+        a2 = None
+    return Trial(covered, width, n_rung / n_true - 1, a2)
