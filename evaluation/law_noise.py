@@ -106,25 +106,21 @@ def estimate_noise(points: ScalingPoints, law: Law) -> NoiseModel:
         return NoiseModel(0.0, float(np.sqrt(sums.sum() / dof)), point_df=dof)
     if point_var < 0:
         var = sums.sum() / np.trace(shared)
-        return NoiseModel(float(np.sqrt(var)), 0.0, run_df=_satterthwaite(var * shared, var))
-    # Var(rᵀQr) = 2·tr(QΣQΣ) for Gaussian residuals of covariance Σ; carried through the 2×2 solve
+        return NoiseModel(float(np.sqrt(var)), 0.0, run_df=_satterthwaite(shared))
+    # each variance's degrees of freedom are those of the sum of squares that mostly measures it (between-run
+    # for the offsets, within-run for the point noise): Satterthwaite's ν = tr(QΣ)² / tr(QΣQΣ)
     sigma = run_var * shared + point_var * keep
-    cov = np.array(
-        [[2 * np.trace(qi @ sigma @ qj @ sigma) for qj in (between, within)] for qi in (between, within)]
-    )
-    inv = np.linalg.inv(coef)
-    var_of = np.diag(inv @ cov @ inv.T)
     return NoiseModel(
         float(np.sqrt(run_var)),
         float(np.sqrt(point_var)),
-        run_df=float(2 * run_var**2 / var_of[0]),
-        point_df=float(2 * point_var**2 / var_of[1]),
+        run_df=_satterthwaite(between @ sigma),
+        point_df=_satterthwaite(within @ sigma),
     )
 
 
-def _satterthwaite(sigma: np.ndarray, var: float) -> float:
-    """Degrees of freedom of a variance estimated from residuals of covariance `sigma` (the whole sum of squares)."""
-    return float(2 * np.trace(sigma) ** 2 / (2 * np.trace(sigma @ sigma)) if var > 0 else math.inf)
+def _satterthwaite(q_sigma: np.ndarray) -> float:
+    """Degrees of freedom of the sum of squares rᵀQr of Gaussian residuals of covariance Σ, given QΣ."""
+    return float(np.trace(q_sigma) ** 2 / np.trace(q_sigma @ q_sigma))
 
 
 def noise_bootstrap(

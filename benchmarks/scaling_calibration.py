@@ -1,0 +1,138 @@
+"""Do the scaling fit's 95% intervals hold the truth 95% of the time? Simulated sweeps of lmforge's own design.
+
+The design is a recipe's sweep plan (its sizes, budgets and multi-horizon runs); the truth is a law and a noise
+model (a run offset shared by a run's horizons plus noise per point), by default the demo's measured ones, or
+those fitted to a sweep's results table (`--results`). Each simulated sweep is fitted as `lmforge fit` fits
+(`calibrated_fit`) and its intervals are checked: α, β, N* at the target budget, and the rung's loss at the fitted
+optimum (the law's value, for the confidence interval; a new run's loss, for the prediction interval). Goal:
+93-97% coverage for the default method. Also: Approach 2's and Approach 3's N* error on noise-free data.
+
+    .venv/bin/python benchmarks/scaling_calibration.py [--sweeps 200] [--results outputs/sweep/.../results.parquet]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+
+import numpy as np
+
+from evaluation.chinchilla_fit import Law, grid_starts
+from evaluation.isoflop import fit_parabolas
+from evaluation.law_noise import NoiseModel, calibrated_fit
+from evaluation.synthetic_ladder import Design, run_trial, simulate
+from flows.recipe import load_recipe
+from training.stages.sweep import plan_trials
+
+# The demo's sweep as `make demo` measured it from a fresh clone at 4a96403 (2026-12-02): the law `lmforge fit` now
+# fits to its 21 points, and the noise model estimated from them.
+DEMO_LAW = Law(E=1.4847, A=516.56, B=2129.0, alpha=0.6252, beta=0.5548)
+DEMO_NOISE = NoiseModel(run_sd=0.0351, point_sd=0.0245)
+QUANTITIES = ("alpha", "beta", "n_opt", "rung_law", "rung_run")
+
+
+def design_of(recipe_name: str, overrides: list[str]) -> tuple[Design, float]:
+    """The (N, D, run) of every point the recipe's sweep trains, and its target budget."""
+    recipe = load_recipe(recipe_name, overrides)
+    plans, _ = plan_trials(recipe.sweep_spec())
+    n = np.array([p.n_active for p in plans for _ in p.steps], dtype=float)
+    d = np.array([s * p.tokens_per_step for p in plans for s in p.steps], dtype=float)
+    run = np.repeat(np.arange(len(plans)), [len(p.steps) for p in plans])
+    return Design(n, d, run), float(recipe.sweep.target_budget or max(recipe.sweep.budgets))
+
+
+def _chunk(args: tuple) -> list[dict]:
+    truth, design, noise, budget, method, seed, count, resamples, stride = args
+    rng = np.random.default_rng(seed)
+    starts = grid_starts()[::stride]
+    return [
+        asdict(run_trial(truth, design, noise, budget, method, rng, resamples, starts)) for _ in range(count)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--recipe", default="demo")
+    parser.add_argument("--set", nargs="*", default=[], help="recipe overrides (key=value)")
+    parser.add_argument("--results", help="a sweep's results.parquet: fit its law and noise as the truth")
+    parser.add_argument("--sweeps", type=int, default=200)
+    parser.add_argument("--resamples", type=int, default=500)
+    parser.add_argument("--methods", nargs="+", default=["noise", "runs", "points"])
+    parser.add_argument(
+        "--start-stride", type=int, default=7, help="every k-th start of the 4,500-point grid"
+    )
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    design, budget = design_of(args.recipe, args.set)
+    truth, noise = DEMO_LAW, DEMO_NOISE
+    if args.results:
+        from flows.scaling import sweep_points
+
+        fitted = calibrated_fit(sweep_points(args.results), n_resamples=10)
+        truth, noise = fitted.fit.law, NoiseModel(fitted.noise.run_sd, fitted.noise.point_sd)
+    coverage, width = {}, {}
+    per_worker = -(-args.sweeps // args.workers)
+    with ProcessPoolExecutor(args.workers) as pool:
+        for method in args.methods:
+            jobs = [
+                (
+                    truth,
+                    design,
+                    noise,
+                    budget,
+                    method,
+                    1000 * w + 1,
+                    per_worker,
+                    args.resamples,
+                    args.start_stride,
+                )
+                for w in range(args.workers)
+            ]
+            trials = [t for chunk in pool.map(_chunk, jobs) for t in chunk][: args.sweeps]
+            coverage[method] = {
+                q: round(float(np.mean([t["covered"][q] for t in trials])), 3) for q in QUANTITIES
+            }
+            width[method] = {
+                q: round(float(np.median([t["width"][q] for t in trials])), 4) for q in QUANTITIES
+            }
+            if method == args.methods[0]:
+                noisy_a3 = float(np.median(np.abs([t["n_opt_error"] for t in trials])))
+                a2 = [abs(t["approach2_error"]) for t in trials if t["approach2_error"] is not None]
+    clean = simulate(truth, design, NoiseModel(0.0, 0.0), np.random.default_rng(0))
+    n_true = float(truth.optimal_n(budget))
+    a3_clean = float(calibrated_fit(clean, n_resamples=10).fit.law.optimal_n(budget)) / n_true - 1
+    iso = fit_parabolas(clean)
+    a2_clean = float(iso.n_opt(budget)) / n_true - 1 if iso.n_opt else None
+    print(
+        json.dumps(
+            {
+                "benchmark": "scaling_calibration",
+                "recipe": args.recipe,
+                "points": len(design.n),
+                "runs": int(design.run.max()) + 1,
+                "truth": {k: round(v, 4) for k, v in truth.as_dict().items()},
+                "noise": {"run_sd": round(noise.run_sd, 4), "point_sd": round(noise.point_sd, 4)},
+                "sweeps": args.sweeps,
+                "coverage": coverage,
+                "goal": [0.93, 0.97],
+                "median_width": width,
+                "n_opt_error": {
+                    "noise_free_approach3": round(a3_clean, 4),
+                    "noise_free_approach2": None if a2_clean is None else round(a2_clean, 4),
+                    "noisy_median_abs_approach3": round(noisy_a3, 4),
+                    "noisy_median_abs_approach2": round(float(np.median(a2)), 4) if a2 else None,
+                },
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
