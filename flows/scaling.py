@@ -61,7 +61,7 @@ def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
         if key not in best or row[column] < best[key][column]:
             best[key] = row
     chosen = pa.Table.from_pylist(list(best.values())) if best else table.slice(0, 0)
-    fields = ["N", "N_total", "D", "C", "run_dir"]
+    fields = ["N", "N_total", "D", "C", *(["run_dir"] if "run_dir" in table.column_names else [])]
     chosen = chosen.select([*fields, column]).rename_columns(
         [*fields, "loss"]
     )  # `column` is what gets fitted; the points of one multi-horizon run share its run directory

@@ -108,6 +108,11 @@ def test_run_fit_scaling_writes_fit_json_and_plots(tmp_path):
     assert saved["law"]["alpha"] == pytest.approx(fit.law["alpha"])
     assert saved["optimal"]["budget"] == 1e22
     assert saved["holdout"]["n_test"] == 8 and saved["holdout"]["mean_rel_error"] < 0.02
+    # the noise the fit measured (0.3% per point, one point per run) and the Huber threshold scaled to it
+    assert saved["interval_method"] == "noise" and saved["noise"]["run_sd"] == 0
+    assert saved["noise"]["point_sd"] == pytest.approx(0.003, rel=0.3)
+    assert saved["huber_delta"] == pytest.approx(1.345 * saved["noise"]["point_sd"], rel=0.2)
+    assert saved["holdout"]["inside_interval"] >= 7 / 8  # each held-out run inside its prediction interval
     for name in ("isoflop.png", "contours.png", "residuals.png"):
         assert (tmp_path / "fit" / name).read_bytes()[:4] == b"\x89PNG"
     assert "warning" not in headline(fit)  # a well-identified law

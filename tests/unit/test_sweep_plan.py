@@ -88,6 +88,28 @@ def test_a_sweep_where_every_run_diverged_is_refused_with_the_reason(tmp_path):
         sweep_points(path)
 
 
+def test_the_points_of_one_multi_horizon_run_are_labelled_as_that_run(tmp_path):
+    """The fit's bootstrap redraws a run's offset once for all its horizons: sweep_points keeps which run each
+    point came from (its run directory)."""
+    rows = [
+        {
+            "N": n,
+            "N_total": n,
+            "D": d,
+            "C": 6.0 * n * d,
+            "loss": 3.0,
+            "status": "completed",
+            "run_dir": f"run-{n}",
+        }
+        for n in (1000, 2000, 4000)
+        for d in (1e6, 2e6)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "results.parquet")
+    points = sweep_points(tmp_path / "results.parquet")
+    assert points.runs.tolist() == [0, 0, 1, 1, 2, 2]
+    assert points.subset(points.n > 1000).runs.tolist() == [0, 0, 1, 1]
+
+
 def test_nan_and_negative_losses_are_dropped_and_counted(tmp_path):
     path = results_table(tmp_path, ["completed"] * 4, [3.0, float("nan"), -1.0, 2.5])
     points = sweep_points(path)
