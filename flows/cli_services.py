@@ -52,7 +52,12 @@ def pipeline_params(args: argparse.Namespace) -> Any:
     from flows.pipeline import pipeline_params as params
 
     return params()(
-        recipe=args.recipe, overrides=args.set, size=args.size, budget=args.budget, **switches(args)
+        recipe=args.recipe,
+        overrides=args.set,
+        size=args.size,
+        budget=args.budget,
+        rung_multiple=args.rung_multiple,
+        **switches(args),
     )
 
 
@@ -229,6 +234,11 @@ def add_service_commands(commands: Any, add_set_argument: Any) -> None:
         "--budget",
         type=float,
         help="compute budget in FLOPs for the final model (default: sweep.target_budget)",
+    )
+    pipe.add_argument(
+        "--rung-multiple",
+        type=float,
+        help="size the final model for this multiple of the largest swept budget (sweep.rung_multiple, default 3)",
     )
     from flows.registry import toggles
 

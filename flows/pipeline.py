@@ -86,6 +86,12 @@ class PipelineBase(RecipeParams):
     budget: float | None = Field(
         None, gt=0, title="Compute budget (FLOPs)", description="default: sweep.target_budget"
     )
+    rung_multiple: float | None = Field(
+        None,
+        gt=0,
+        title="Rung multiple",
+        description="without a budget: this multiple of the largest swept budget (default sweep.rung_multiple, 3)",
+    )
 
     @model_validator(mode="after")
     def _stages_take_the_recipe(self) -> PipelineBase:
@@ -94,6 +100,8 @@ class PipelineBase(RecipeParams):
 
     def load(self) -> Recipe:
         budget = [f"sweep.target_budget={self.budget}"] if self.budget else []
+        if self.rung_multiple:  # a multiple replaces the recipe's own target budget
+            budget += ["sweep.target_budget=null", f"sweep.rung_multiple={self.rung_multiple}"]
         return load_recipe(self.recipe, [*self.overrides, *budget])
 
     def switches(self) -> dict[str, bool]:

@@ -70,8 +70,9 @@ def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
 
 
 def target_budget(recipe: Recipe) -> float:
-    """The compute budget the final model is sized for: `sweep.target_budget`, else the largest swept budget."""
-    return float(recipe.sweep.target_budget or max(recipe.sweep.budgets))
+    """The compute budget the final model (the rung) is sized for: `sweep.target_budget`, else
+    `sweep.rung_multiple` times the largest swept budget (3x by default: an extrapolation that tests the law)."""
+    return float(recipe.sweep.target_budget or recipe.sweep.rung_multiple * max(recipe.sweep.budgets))
 
 
 def fit_sweep(

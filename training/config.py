@@ -260,6 +260,7 @@ class SweepConfig(BaseModel):
     reduction_factor: float = Field(3.0, gt=1)
     report_every: PositiveInt = 10  # steps between reports to Tune
     target_budget: PositiveFloat | None = None  # the fit's compute-optimal size is chosen for this budget
+    rung_multiple: PositiveFloat = 3.0  # without target_budget: the rung's budget over the largest swept one
     probe: Literal["humaneval"] | None = None  # a downstream task loss measured at every point
 
     def all_sizes(self) -> list[SweepSize]:

@@ -99,6 +99,17 @@ def test_pipeline_flags_reach_the_flow_and_unknown_parameters_are_refused():
         PipelineParams(recipe="smoke", register=False)  # a misspelt flag is an error, not a silent default
 
 
+def test_the_rung_multiple_sizes_the_final_model_for_a_multiple_of_the_largest_swept_budget():
+    from flows.cli import build_parser
+    from flows.cli_services import pipeline_params
+    from flows.scaling import target_budget
+
+    assert target_budget(PipelineParams(recipe="demo").load()) == 2.4e12  # the demo's default: 3x 8e11
+    args = build_parser().parse_args(["pipeline", "demo", "--rung-multiple", "10"])
+    assert target_budget(pipeline_params(args).load()) == 8e12
+    assert target_budget(PipelineParams(recipe="demo", budget=5e12).load()) == 5e12
+
+
 def test_a_registering_pipeline_refuses_attention_without_a_llama_layout(capsys) -> None:
     """Registering and compressing need a Hugging Face layout: refused in one line before anything starts; the
     same recipe without them is accepted."""

@@ -267,7 +267,10 @@ def run_sweep(spec: SweepSpec, data: DatasetManifest, progress: TrialProgress | 
             "sweep has no trials: set sweep.budgets and sweep.depths"
             + (" (every pair was left out: " + "; ".join(skipped) + ")" if skipped else "")
         )
-    config = {"sweep": spec.sweep.model_dump(mode="json", exclude={"target_budget"}), "runs": spec.base.key()}
+    config = {
+        "sweep": spec.sweep.model_dump(mode="json", exclude={"target_budget", "rung_multiple"}),
+        "runs": spec.base.key(),
+    }
     step = Step("sweep", spec.name, SWEEP_VERSION, config, SweepResult, {"data": data})
     return run_step(
         spec.output_dir, step, lambda out, key: _sweep(spec, data, plans, skipped, out, progress, key)
