@@ -19,7 +19,12 @@ def cmd_fit_scaling(args: argparse.Namespace) -> int:
     table = Path(args.table)
     out = Path(args.out) if args.out else table.with_name(f"{table.stem}-fit")
     fit = run_fit_scaling(
-        table, out, target_budget=args.budget, n_bootstrap=args.bootstrap, drop_highest=args.drop_highest
+        table,
+        out,
+        target_budget=args.budget,
+        n_bootstrap=args.bootstrap,
+        drop_highest=args.drop_highest,
+        method=args.intervals,
     )
     print(json.dumps(fit.model_dump(mode="json"), indent=2) if args.json else headline(fit))
     plots = ", ".join(p.name for p in sorted(out.glob("*.png")))
@@ -64,6 +69,13 @@ def add_scaling_commands(commands: Any, add_set_argument: Any) -> None:
     fit.add_argument("--budget", type=float, help="compute budget (FLOPs) for the compute-optimal size")
     fit.add_argument("--bootstrap", type=int, default=4000, help="bootstrap resamples for the intervals")
     fit.add_argument("--drop-highest", type=int, default=0, help="drop the K highest-loss runs (Epoch: 5)")
+    fit.add_argument(
+        "--intervals",
+        choices=["noise", "runs", "points"],
+        default="noise",
+        help="bootstrap: redraw from the fitted noise model (default, calibrated by benchmarks/"
+        "scaling_calibration.py), resample whole runs, or resample points (Epoch's, for one-point-per-run tables)",
+    )
     fit.add_argument("--json", action="store_true", help="print fit.json instead of the headline")
     fit.set_defaults(handler=cmd_fit_scaling)
 

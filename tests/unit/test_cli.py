@@ -122,10 +122,21 @@ def test_fit_scaling_json_is_json_alone_on_stdout(capsys: pytest.CaptureFixture[
     loss = 1.8 + 400 / n**0.34 + 2000 / d**0.28
     table = tmp_path / "runs.parquet"
     pq.write_table(pa.table({"N": n.ravel(), "D": d.ravel(), "loss": loss.ravel()}), table)
-    assert main(["fit-scaling", str(table), "--bootstrap", "20", "--budget", "1e20", "--json"]) == 0
+    args = [
+        "fit-scaling",
+        str(table),
+        "--bootstrap",
+        "20",
+        "--budget",
+        "1e20",
+        "--json",
+        "--intervals",
+        "points",
+    ]
+    assert main(args) == 0
     captured = capsys.readouterr()
     fit = json.loads(captured.out)
-    assert fit["law"]["alpha"] == pytest.approx(0.34, rel=0.05)
+    assert fit["law"]["alpha"] == pytest.approx(0.34, rel=0.05) and fit["interval_method"] == "points"
     assert "wrote" in captured.err
 
 
