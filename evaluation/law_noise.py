@@ -101,7 +101,7 @@ def estimate_noise(points: ScalingPoints, law: Law) -> NoiseModel:
         return NoiseModel(0.0, float(np.sqrt(residual @ residual / max(dof, 1e-12))), point_df=dof)
     sums = np.array([residual @ between @ residual, residual @ within @ residual])
     coef = np.array([[np.trace(q @ shared), np.trace(q @ keep)] for q in (between, within)])
-    run_var, point_var = np.linalg.solve(coef, sums)
+    run_var, point_var = np.linalg.lstsq(coef, sums, rcond=None)[0]  # (singular for some tiny designs)
     if run_var < 0:
         return NoiseModel(0.0, float(np.sqrt(sums.sum() / dof)), point_df=dof)
     if point_var < 0:
@@ -120,7 +120,8 @@ def estimate_noise(points: ScalingPoints, law: Law) -> NoiseModel:
 
 def _satterthwaite(q_sigma: np.ndarray) -> float:
     """Degrees of freedom of the sum of squares rᵀQr of Gaussian residuals of covariance Σ, given QΣ."""
-    return float(np.trace(q_sigma) ** 2 / np.trace(q_sigma @ q_sigma))
+    square = float(np.trace(q_sigma @ q_sigma))
+    return float(np.trace(q_sigma) ** 2 / square) if square > 0 else math.inf  # no scatter: nothing to draw
 
 
 def noise_bootstrap(

@@ -4,6 +4,7 @@ size for a target budget, a held-out-budget check, plots and `fit.json`.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -99,7 +100,7 @@ class ScalingFit(Artifact):
     n_bootstrap: int
     n_bootstrap_diverged: int = 0
     interval_method: str = "points"  # how the bootstrap resampled: noise (model), runs or points
-    noise: dict[str, float] | None = None  # the scatter of runs around the law (NoiseModel's fields)
+    noise: dict[str, float | None] | None = None  # the scatter of runs around the law (NoiseModel fields)
     huber_delta: float | None = None  # the fit's Huber threshold in log loss
     approach2: dict[str, Any]
     optimal: ComputeOptimal
@@ -121,7 +122,11 @@ class ScalingFit(Artifact):
 
     def noise_model(self) -> NoiseModel:
         """The runs' scatter (none recorded: a fit from before lmforge measured it)."""
-        return NoiseModel(**self.noise) if self.noise else NoiseModel(0.0, 0.0)
+        if not self.noise:
+            return NoiseModel(0.0, 0.0)
+        return NoiseModel(
+            **{k: math.inf if v is None else v for k, v in self.noise.items()}
+        )  # JSON: inf -> null
 
     def save(self, out_dir: str | Path) -> None:
         atomic_write_json(Path(out_dir) / FIT_FILE, self.model_dump(mode="json"))

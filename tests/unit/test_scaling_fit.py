@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +13,7 @@ import pytest
 from evaluation.chinchilla_fit import Law, batched_lbfgs, batched_objective, bootstrap, fit_law, grid_starts
 from evaluation.isoflop import fit_parabolas
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points, points_from_table
-from evaluation.scaling_report import headline, run_fit_scaling
+from evaluation.scaling_report import ScalingFit, headline, run_fit_scaling
 
 TRUE = Law(E=1.7, A=400.0, B=1500.0, alpha=0.34, beta=0.30)
 COARSE = grid_starts()[::7]  # 643 starts: enough for these tests, a few times faster than the full grid
@@ -113,6 +114,8 @@ def test_run_fit_scaling_writes_fit_json_and_plots(tmp_path):
     assert saved["noise"]["point_sd"] == pytest.approx(0.003, rel=0.3)
     assert saved["huber_delta"] == pytest.approx(1.345 * saved["noise"]["point_sd"], rel=0.2)
     assert saved["holdout"]["inside_interval"] >= 7 / 8  # each held-out run inside its prediction interval
+    read_back = ScalingFit.read(tmp_path / "fit").noise_model()  # an unknown-free variance's df is inf (null)
+    assert read_back.run_df == math.inf and read_back.point_sd == saved["noise"]["point_sd"]
     for name in ("isoflop.png", "contours.png", "residuals.png"):
         assert (tmp_path / "fit" / name).read_bytes()[:4] == b"\x89PNG"
     assert "warning" not in headline(fit)  # a well-identified law
