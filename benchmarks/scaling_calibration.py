@@ -76,7 +76,7 @@ def main() -> None:
 
         fitted = calibrated_fit(sweep_points(args.results), n_resamples=10)
         truth, noise = fitted.fit.law, NoiseModel(fitted.noise.run_sd, fitted.noise.point_sd)
-    coverage, width = {}, {}
+    coverage, width, failed = {}, {}, {}
     per_worker = -(-args.sweeps // args.workers)
     with ProcessPoolExecutor(args.workers) as pool:
         for method in args.methods:
@@ -122,6 +122,7 @@ def main() -> None:
                 "coverage": coverage,
                 "goal": [0.93, 0.97],
                 "median_width": width,
+                "no_interval": failed,
                 "n_opt_error": {
                     "noise_free_approach3": round(a3_clean, 4),
                     "noise_free_approach2": None if a2_clean is None else round(a2_clean, 4),

@@ -28,12 +28,10 @@ from evaluation.chinchilla_fit import (
 )
 from evaluation.scaling_data import ScalingPoints
 
-HUBER_TUNING = (
-    1.345  # Huber's constant: 95% of least squares' efficiency on Gaussian noise, robust to outliers
-)
-IntervalMethod = Literal[
-    "noise", "runs", "points"
-]  # redraw from the noise model; resample runs; resample points
+# Huber's constant: 95% of least squares' efficiency on Gaussian noise, still robust to outliers
+HUBER_TUNING = 1.345
+# how the bootstrap resamples: redraw from the noise model, resample whole runs, resample points (Epoch's)
+IntervalMethod = Literal["noise", "runs", "points"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,7 @@ class NoiseModel:
     """log L = log L_law(N, D) + u_run + e_point, u ~ N(0, run_sd²), e ~ N(0, point_sd²).
 
     An estimated model also carries each variance's degrees of freedom (Satterthwaite): seven runs pin the run
-    variance about as well as three, and intervals that took it as exact would be too narrow (as z-intervals are
+    variance about as well as four, and intervals that took it as exact would be too narrow (as z-intervals are
     where t-intervals belong), so the bootstrap draws each resample's variances from their uncertainty."""
 
     run_sd: float
@@ -153,12 +151,12 @@ def prediction_interval(
     samples: dict[str, np.ndarray], noise: NoiseModel, n: float, d: float, level: float = 0.95, seed: int = 0
 ) -> tuple[float, float]:
     """Where a new run at (N, D) lands with probability `level`: each bootstrap law's loss there times a new
-    run's own scatter (offset and point noise). NaN without bootstrap laws."""
+    run's own scatter (offset and point noise, with their uncertainty). NaN without bootstrap laws."""
     if len(samples["E"]) == 0:
         return np.nan, np.nan
     law = Law(**{k: samples[k] for k in ("E", "A", "B", "alpha", "beta")})
     rng = np.random.default_rng(seed)
-    loss = law.loss(n, d) * np.exp(rng.normal(0.0, noise.total_sd, len(samples["E"])))
+    loss = law.loss(n, d) * np.exp(noise.draw(rng, np.zeros(1, int), len(samples["E"]))[:, 0])
     lo, hi = np.nanpercentile(loss, [50 * (1 - level), 50 * (1 + level)])
     return float(lo), float(hi)
 

@@ -78,7 +78,7 @@ def run_trial(
     bounds = {
         "alpha": boot.interval("alpha"),
         "beta": boot.interval("beta"),
-        "n_opt": tuple(np.nanpercentile(boot_n, [2.5, 97.5])),
+        "n_opt": tuple(np.nanpercentile(boot_n, [2.5, 97.5])) if boot.n else (np.nan, np.nan),
         "rung_law": (lo_c, hi_c),
         "rung_run": (lo_p, hi_p),
     }

@@ -65,10 +65,13 @@ def test_the_prediction_interval_adds_a_runs_scatter_to_the_laws() -> None:
     law_lo, law_hi = np.percentile(
         Law(**{k: fitted.boot.samples[k] for k in ("E", "A", "B", "alpha", "beta")}).loss(n, d), [2.5, 97.5]
     )
-    run_lo, run_hi = prediction_interval(fitted.boot.samples, fitted.noise, n, d)
+    known = NoiseModel(fitted.noise.run_sd, fitted.noise.point_sd)  # its scatter taken as exact
+    run_lo, run_hi = prediction_interval(fitted.boot.samples, known, n, d)
     assert run_lo < law_lo and run_hi > law_hi
     widened = np.log(run_hi / run_lo) ** 2 - np.log(law_hi / law_lo) ** 2
-    assert np.sqrt(widened) / (2 * 1.96) == pytest.approx(fitted.noise.total_sd, rel=0.35)
+    assert np.sqrt(widened) / (2 * 1.96) == pytest.approx(known.total_sd, rel=0.35)
+    unsure_lo, unsure_hi = prediction_interval(fitted.boot.samples, fitted.noise, n, d)
+    assert unsure_lo < run_lo and unsure_hi > run_hi  # ~4 degrees of freedom for the run offsets: wider still
     same = prediction_interval(fitted.boot.samples, NoiseModel(0.0, 0.0), n, d)
     assert same == pytest.approx((law_lo, law_hi), rel=1e-9)
 
