@@ -63,3 +63,28 @@ def test_linear_attention_exports_in_lmforges_layout_which_hugging_face_refuses(
         AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     with pytest.raises(ValueError, match="model.attention=favor has no Hugging Face Llama layout"):
         build_hf_model(cfg)
+
+
+def test_an_moe_export_reads_back_expert_by_expert(tmp_path) -> None:
+    """transformers saves Mixtral in its per-expert checkpoint layout; lmforge's loader (what eval, compress and
+    distill read) stacks it back: every weight equals the trained model's and the logits agree. A dense export
+    reads back the same way."""
+    from safetensors.torch import load_file
+
+    from training.model.config import MoEConfig
+    from training.model.hf_interop import load_export
+
+    dense = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    moe = dense.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=24)})
+    for cfg in (dense, moe):
+        model = Transformer(cfg, seed=0).eval()
+        out = tmp_path / ("moe" if cfg.moe else "dense")
+        assert export_hf(model.state_dict(), cfg, None, out)["valid"]
+        loaded = load_export(out)
+        for name, weight in model.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], weight), name
+        probe = torch.randint(0, cfg.vocab_size, (2, 9))
+        with torch.no_grad():
+            assert torch.equal(loaded(probe).logits, model(probe).logits)
+    saved = load_file(tmp_path / "moe" / "model.safetensors")
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in saved  # the layout the loader must stack

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -170,13 +171,39 @@ def load_hf_config(path: str | Path) -> ModelConfig:
 
 
 def load_export(export_dir: str | Path) -> Transformer:
-    """Our Transformer with the weights of an export (Hugging Face names are ours; tied heads re-tied)."""
+    """Our Transformer with the weights of an export (Hugging Face names are ours; tied heads re-tied; Mixtral's
+    per-expert checkpoint names, which `save_pretrained` writes, stacked back)."""
     export_dir = Path(export_dir)
     cfg = load_hf_config(export_dir)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(export_dir.glob("*.safetensors")):
         state.update(load_file(file))
-    return load_weights(Transformer(cfg, seed=None), state, export_dir)
+    return load_weights(Transformer(cfg, seed=None), stacked_experts(state), export_dir)
+
+
+LEGACY_EXPERT = re.compile(r"^(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def stacked_experts(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A Mixtral state dict in the checkpoint layout transformers v5 saves (`block_sparse_moe.gate`,
+    `block_sparse_moe.experts.{e}.w1/w3/w2`: gate, up and down projections per expert) in the stacked layout of
+    the modelling code and ours (`mlp.gate`, `mlp.experts.gate_up_proj` (E, 2I, H), gate rows first, and
+    `mlp.experts.down_proj` (E, H, I)) — the same conversion transformers applies when it loads them. Other
+    keys pass through."""
+    out: dict[str, Tensor] = {}
+    experts: dict[str, dict[str, dict[int, Tensor]]] = {}
+    for key, tensor in state.items():
+        match = LEGACY_EXPERT.match(key)
+        if match:
+            layer, index, which = match.groups()
+            experts.setdefault(layer, {}).setdefault(which, {})[int(index)] = tensor
+        else:
+            out[key.replace(".block_sparse_moe.", ".mlp.")] = tensor
+    for layer, parts in experts.items():
+        stack = {w: torch.stack([parts[w][e] for e in sorted(parts[w])]) for w in ("w1", "w2", "w3")}
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([stack["w1"], stack["w3"]], dim=1)
+        out[f"{layer}.mlp.experts.down_proj"] = stack["w2"]
+    return out
 
 
 def load_weights(
