@@ -73,6 +73,16 @@ def test_report_compares_models_side_by_side(trained):
     assert run_eval(recipe.eval_spec(), [base, lora], sft_heldout=trained[3]) == report  # cached
 
 
+def test_evaluation_windows_stay_inside_the_trained_context(trained):
+    """The smoke model trains on 64-token windows of a recipe allowing 128: its export says 64 and evaluation
+    scores 64-token windows (positions past the trained context score worse, which made held-out numbers
+    pessimistic); the LoRA fine-tune trained on 128-token windows, so it is evaluated at 128."""
+    recipe, base, lora, _, _ = trained
+    assert recipe.model.max_seq_len == 128 and recipe.train.seq_len == 64 and recipe.sft.train.seq_len == 128
+    assert load_for_eval(base, "pretrain").max_len == 64
+    assert load_for_eval(lora, "lora").max_len == 128
+
+
 def test_eval_run_is_in_mlflow(trained):
     recipe, _, _, _, report = trained
     client = mlflow.MlflowClient(tracking_uri(recipe.tracking, recipe.output_dir))

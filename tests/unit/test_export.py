@@ -88,3 +88,32 @@ def test_an_moe_export_reads_back_expert_by_expert(tmp_path) -> None:
             assert torch.equal(loaded(probe).logits, model(probe).logits)
     saved = load_file(tmp_path / "moe" / "model.safetensors")
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in saved  # the layout the loader must stack
+
+
+def test_an_export_records_the_context_it_was_trained_at(tokenized, tmp_path) -> None:
+    """A model trained on 64-token windows of a recipe allowing 128 exports max_position_embeddings 64 and a
+    tokenizer whose model_max_length is 64, so evaluation windows (`EvalModel.max_len`) and generation room
+    (the pyfunc's) stay inside the positions it was trained on."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from training.model.hf_interop import load_export
+
+    manifest, _ = tokenized
+    cfg = ModelConfig(
+        vocab_size=describe(Path(manifest.tokenizer.path)).vocab_size,
+        d_model=32,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        max_seq_len=128,
+    )
+    model = Transformer(cfg, seed=0)
+    assert export_hf(model.state_dict(), cfg.trained_at(64), manifest.tokenizer.path, tmp_path / "hf")[
+        "valid"
+    ]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 64
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "hf")).model_max_length == 64
+    assert load_export(tmp_path / "hf").cfg.max_seq_len == 64

@@ -179,7 +179,7 @@ def export_quantized(model: Transformer, hf_config: Any, base_export: Path, out:
     ).items():  # ours, not a re-quantization (GPTQ's codes are not RTN's)
         hf.get_submodule(name).weight = nn.Parameter(layer.weight.detach(), requires_grad=False)
     hf.save_pretrained(str(staging), safe_serialization=True)
-    copy_tokenizer_files(base_export, staging)
+    copy_tokenizer_files(base_export, staging, model.cfg.max_seq_len)
     loaded = AutoModelForCausalLM.from_pretrained(
         str(staging), dtype=torch.float32, attn_implementation="eager"
     )

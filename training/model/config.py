@@ -138,6 +138,12 @@ class ModelConfig(BaseModel):
             return self.attention_features or self.favor_features_default()
         return self.head_dim
 
+    def trained_at(self, seq_len: int) -> ModelConfig:
+        """This architecture as exported after training on `seq_len`-token windows: `max_seq_len` (the export's
+        `max_position_embeddings`, what evaluation windows and generation room follow) is the trained context,
+        not the longest the recipe allowed (positions past it were never trained and score worse)."""
+        return self.model_copy(update={"max_seq_len": seq_len})
+
     @property
     def has_llama_layout(self) -> bool:
         """Whether a Hugging Face Llama/Mixtral model computes the same function (softmax attention only)."""

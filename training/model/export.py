@@ -107,7 +107,7 @@ def export_hf(
     else:
         export_native(state_dict, cfg, staging)
     if tokenizer_dir is not None:
-        copy_tokenizer_files(Path(tokenizer_dir), staging)
+        copy_tokenizer_files(Path(tokenizer_dir), staging, cfg.max_seq_len)
 
     ours = Transformer(cfg, seed=None)
     ours.load_state_dict(state_dict, strict=True)
@@ -159,10 +159,15 @@ def fresh_staging(out: Path) -> Path:
     return staging
 
 
-def copy_tokenizer_files(tokenizer_dir: Path, staging: Path) -> None:
+def copy_tokenizer_files(tokenizer_dir: Path, staging: Path, context: int) -> None:
+    """The tokenizer's files beside the weights, its `model_max_length` the model's trained context (transformers
+    reads 1e30 without one)."""
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, staging / name)
+    settings = staging / "tokenizer_config.json"
+    if settings.is_file():
+        atomic_write_json(settings, json.loads(settings.read_text()) | {"model_max_length": context})
 
 
 def publish_export(staging: Path, out: Path, verification: dict) -> dict:

@@ -207,7 +207,9 @@ class Distill(TrainingStage):
         spec: DistillSpec = job.spec
         teacher: Teacher = job.inputs["teacher"]
         state = fp32_state_dict(final, spec.model.tie_embeddings)
-        verification = export_hf(state, spec.model, teacher.path, job.run_dir / "hf")
+        verification = export_hf(
+            state, spec.model.trained_at(spec.train.seq_len), teacher.path, job.run_dir / "hf"
+        )
         val = val_losses(job.run_dir)
         summary = {
             "distill/heldout_objective_before": val[0],

@@ -99,7 +99,11 @@ class Pretrain(TrainingStage):
         state = fp32_state_dict(final, cfg.tie_embeddings)
         val = val_losses(job.run_dir)
         verification = export_hf(
-            state, cfg, data.tokenizer.path, job.run_dir / "hf", self.engine_check(job, val)
+            state,
+            cfg.trained_at(job.spec.train.seq_len),
+            data.tokenizer.path,
+            job.run_dir / "hf",
+            self.engine_check(job, val),
         )
         tracker.log_artifact(job.run_dir / "metrics.jsonl")
         return trained_model(

@@ -97,7 +97,9 @@ def export_tuned(
         weights = state
         if cfg.tie_embeddings:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    verification = export_hf(weights, cfg, base_export, job.run_dir / "hf")
-    model = Transformer(cfg, seed=None)
+    # the base's trained context (its export's), or this stage's windows when they are longer
+    exported = cfg.trained_at(max(cfg.max_seq_len, job.spec.train.seq_len))
+    verification = export_hf(weights, exported, base_export, job.run_dir / "hf")
+    model = Transformer(exported, seed=None)
     model.load_state_dict(weights, strict=True)
     return Tuned(model.eval(), verification, adapter_dir, trainable, total)
