@@ -31,12 +31,13 @@ from training.model.transformer import Transformer
 from training.stages.compress import Compressed, VariantRecord
 from training.stages.lifecycle import TrainedModel
 
-FRONTIER_VERSION = 1
+FRONTIER_VERSION = 2  # 2: served sizes, chosen by them (ties by loss)
 ROW_FIELDS = {  # what a frontier row repeats from the variant's record
     "name",
     "method",
     "settings",
     "disk_bytes",
+    "served_bytes",
     "memory_bytes",
     "export_valid",
     "max_abs_logit_diff",
@@ -187,6 +188,7 @@ def relative_to(row: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any
     return {
         **row,
         "size_ratio": row["disk_bytes"] / reference["disk_bytes"],
+        "served_ratio": row["served_bytes"] / reference["served_bytes"],
         "speed_ratio": speed,
         "relative": relative,
     }
@@ -196,9 +198,11 @@ def numbers(row: dict[str, Any]) -> dict[str, float]:
     """A row's numbers as MLflow metrics."""
     keys = (
         "disk_bytes",
+        "served_bytes",
         "memory_bytes",
         "bits_per_param",
         "size_ratio",
+        "served_ratio",
         "generate_tokens_per_s",
         "speed_ratio",
     )
@@ -209,9 +213,10 @@ def numbers(row: dict[str, Any]) -> dict[str, float]:
 
 
 def choose(rows: list[dict[str, Any]], tolerance: float) -> str | None:
-    """The smallest verified variant whose held-out loss rose by at most `tolerance` (relative)."""
+    """The verified variant whose held-out loss rose by at most `tolerance` (relative) with the smallest served
+    export (what the registry hands out, not lmforge's own packed file); equal sizes go to the lower loss."""
     fit = [r for r in rows[1:] if r["export_valid"] and r["relative"].get(LOSS, float("inf")) <= tolerance]
-    return min(fit, key=lambda r: r["disk_bytes"])["name"] if fit else None
+    return min(fit, key=lambda r: (r["served_bytes"], r["relative"][LOSS]))["name"] if fit else None
 
 
 def _signed(value: float | None) -> str:
@@ -227,6 +232,8 @@ def markdown(frontier: Frontier) -> str:
         "variant",
         "bytes on disk",
         "size",
+        "served bytes",
+        "served",
         "bits/param",
         "memory",
         "held-out loss",
@@ -247,6 +254,8 @@ def markdown(frontier: Frontier) -> str:
             f"**{row['name']}**" if row["name"] == frontier.chosen else row["name"],
             f"{row['disk_bytes']:,}",
             f"{row['size_ratio']:.2f}x",
+            f"{row['served_bytes']:,}",
+            f"{row['served_ratio']:.2f}x",
             f"{row['bits_per_param']:.1f}",
             f"{row['memory_bytes']:,}",
             f"{m[LOSS]:.4f}",
@@ -259,14 +268,16 @@ def markdown(frontier: Frontier) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     chosen = (
-        f"**{frontier.chosen}** is the smallest variant within {100 * frontier.tolerance:g}% of the uncompressed "
-        f"held-out loss (registrable as `{frontier.alias}`)."
+        f"**{frontier.chosen}** has the smallest served export within {100 * frontier.tolerance:g}% of the "
+        f"uncompressed held-out loss (registrable as `{frontier.alias}`)."
         if frontier.chosen
         else f"No variant stays within {100 * frontier.tolerance:g}% of the uncompressed held-out loss."
     )
     notes = (
-        "Bits/param: the weight files' bits over the uncompressed parameter count (embeddings, norms and the head "
-        "stay in full precision). Pruned variants are stored dense (zeros take space on disk and in memory); "
+        "Bytes on disk: lmforge's own storage (bit-packed codes, low-rank factors); served: the Hugging Face export "
+        "the registry serves (torchao keeps sub-8-bit codes unpacked in int8 plus scales, so a 3- or 4-bit export "
+        "weighs about what an int8 one does). Bits/param: the weight files' bits over the uncompressed parameter "
+        "count (embeddings, norms and the head stay in full precision). Pruned variants are stored dense (zeros take space on disk and in memory); "
         "low-rank ones as factors (their Hugging Face export holds the dense product). Lower is better for "
         f"{', '.join(LOWER_IS_BETTER)}."
     )

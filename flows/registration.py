@@ -68,7 +68,10 @@ def register_compressed(
     row = frontier.record(frontier.chosen)
     record = next(r for r in compressed.variants if r.name == frontier.chosen)
     gates = {"export_verified": record.export_valid, f"{LOSS} within {frontier.tolerance:g}": True}
-    lines = [f"{frontier.chosen}: {row['size_ratio']:.2f}x the size of {compressed.base_run_dir}"]
+    lines = [
+        f"{frontier.chosen}: {row['served_ratio']:.2f}x the served size of {compressed.base_run_dir} "
+        f"({row['size_ratio']:.2f}x in lmforge's own storage)"
+    ]
     lines += [
         f"{m}: {row['metrics'][m]} ({100 * row['relative'].get(m, 0.0):+.2f}%)"
         for m in (LOSS, "heldout/all/bits_per_byte")

@@ -72,7 +72,8 @@ def frontier_headline(front: Frontier) -> dict[str, Any]:
     from evaluation.config import BPB
 
     numbers: dict[str, Any] = {
-        row["name"]: f"{row['size_ratio']:.2f}x size, {100 * row['relative'].get(BPB, 0.0):+.2f}% bits/byte"
+        row["name"]: f"{row['served_ratio']:.2f}x served ({row['size_ratio']:.2f}x stored), "
+        f"{100 * row['relative'].get(BPB, 0.0):+.2f}% bits/byte"
         for row in front.rows[1:]
     }
     return {**numbers, "chosen (within tolerance)": front.chosen or "none"}

@@ -189,3 +189,25 @@ def test_a_damaged_variant_is_rebuilt_not_read(tiny, tmp_path):
     packed = tmp_path / variant.name / "packed.safetensors"
     packed.write_bytes(packed.read_bytes()[:100])
     assert "truncated or replaced" in VariantRecord.model_validate_json(record.model_dump_json()).damage()
+
+
+def test_the_registered_variant_is_the_smallest_served_export_and_ties_go_to_the_lower_loss():
+    """rtn and gptq at 4 bits serve exports of equal bytes: GPTQ's lower loss wins; int8 serves fewer bytes
+    than a 4-bit export stored as int8 codes plus scales, though lmforge's own packed 4-bit file is smaller."""
+    from evaluation.config import LOSS
+    from evaluation.frontier import choose
+
+    def row(name: str, disk: int, served: int, loss: float) -> dict:
+        return {
+            "name": name,
+            "disk_bytes": disk,
+            "served_bytes": served,
+            "export_valid": True,
+            "relative": {LOSS: loss},
+        }
+
+    reference = row("uncompressed", 1000, 1000, 0.0)
+    rtn, gptq = row("rtn-w4g16", 470, 580, 0.0101), row("gptq-w4g16", 470, 580, 0.0062)
+    assert choose([reference, rtn, gptq], tolerance=0.02) == "gptq-w4g16"
+    assert choose([reference, rtn, gptq, row("int8-weight", 530, 530, 0.0)], tolerance=0.02) == "int8-weight"
+    assert choose([reference, rtn, gptq], tolerance=0.005) is None

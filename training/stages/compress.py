@@ -40,7 +40,7 @@ from training.model.hf_interop import load_export, load_hf_config, no_llama_layo
 from training.stages.lifecycle import TrainedModel
 
 log = logging.getLogger(__name__)
-COMPRESS_VERSION = 1
+COMPRESS_VERSION = 2  # 2: served (Hugging Face export) bytes recorded
 
 
 class VariantRecord(BaseModel):
@@ -56,6 +56,7 @@ class VariantRecord(BaseModel):
     export_valid: bool
     max_abs_logit_diff: float
     disk_bytes: int  # the files holding its weights (factors for low-rank, else the export's safetensors)
+    served_bytes: int = 0  # its Hugging Face export's weights: what the registry serves and clients download
     memory_bytes: int  # its parameters as lmforge holds them
     seconds: float  # time to make it (calibration included), not to export it
     details: dict[str, Any] = {}
@@ -108,6 +109,11 @@ def calibration_batches(data: DatasetManifest, cfg: CalibrationConfig, context: 
     return list(torch.cat(rows)[: cfg.sequences].split(cfg.batch_size))
 
 
+def served_bytes(export: Path) -> int:
+    """Bytes of a Hugging Face export's weight files."""
+    return sum(f.stat().st_size for f in export.glob("*.safetensors"))
+
+
 def record_of(
     name: str, method: str, settings: dict, out: Path, memory: int, seconds: float, details: dict
 ) -> VariantRecord:
@@ -121,6 +127,7 @@ def record_of(
         export_valid=bool(verification["valid"]),
         max_abs_logit_diff=float(verification["max_abs_logit_diff"]),
         disk_bytes=sum(f.stat().st_size for f in weight_files(out)),
+        served_bytes=served_bytes(out / "hf"),
         files=own_storage_records(out),
         memory_bytes=memory,
         seconds=seconds,
@@ -199,7 +206,8 @@ def _compress(
         hf_export=str(export.resolve()),
         export_valid=base.export_valid,
         max_abs_logit_diff=float(base.max_abs_logit_diff or 0.0),
-        disk_bytes=sum(f.stat().st_size for f in export.glob("*.safetensors")),
+        disk_bytes=served_bytes(export),
+        served_bytes=served_bytes(export),
         memory_bytes=model_bytes(model),
         seconds=0.0,
     )
