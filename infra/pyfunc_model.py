@@ -22,7 +22,8 @@ class TextGenerator(PythonModel):
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
     def predict(self, context, model_input, params=None):  # untyped: MLflow reads type hints as a schema
-        """Greedy continuations of a list of prompts (or a one-column DataFrame); `max_new_tokens` param."""
+        """Greedy continuations of a list of prompts (or a one-column DataFrame), each stopping where the export's
+        generation config says (end of text, end of turn); `max_new_tokens` param (within the trained context)."""
         import torch
 
         params = params or {}
@@ -32,23 +33,18 @@ class TextGenerator(PythonModel):
             prompts = [model_input]
         else:
             prompts = [str(p) for p in model_input]
-        max_new = int(params.get("max_new_tokens", 32))
+        context = self.model.config.max_position_embeddings  # the context the model was trained at
+        max_new = min(int(params.get("max_new_tokens", 32)), context - 1)
         eos = self.tokenizer.eos_token_id
         outputs = []
         for prompt in prompts:
             ids = self.tokenizer(prompt, return_tensors="pt").input_ids
             if ids.shape[1] == 0:
                 ids = torch.tensor([[eos]])
-            room = self.model.config.max_position_embeddings - max_new
-            ids = ids[:, -room:]
+            ids = ids[:, -(context - max_new) :]
             with torch.inference_mode():
-                out = self.model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new,
-                    do_sample=False,
-                    eos_token_id=eos,  # plain continuation stops at end-of-text, as lmforge's sampler does
-                    pad_token_id=eos,
+                out = self.model.generate(  # the export's generation config: stops at end-of-text or -turn
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False
                 )
             outputs.append(self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
         return outputs

@@ -13,6 +13,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from data_pipeline.config import END_OF_TURN
 from evaluation.gates import gate_results
 from evaluation.lm_eval_adapter import run_lm_eval
 from evaluation.model_io import load_for_eval
@@ -206,6 +207,8 @@ def test_pyfunc_model_generates_and_registry_gates(trained):
     assert isinstance(outputs, list) and len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
     em = load_for_eval(lora, "lora")
     ours, _ = generate_text(em.model, em.tokenizer.encode("def ").ids, 32, em.tokenizer_ref.eos_id)
+    end_of_turn = em.tokenizer.token_to_id(END_OF_TURN)  # the export's generation config stops there too
+    ours = ours[: ours.index(end_of_turn) + 1] if end_of_turn in ours else ours
     assert outputs[0] == em.tokenizer.decode(ours)  # the pyfunc (transformers) generates what our model does
     assert model.metadata.signature.params.to_dict()[0]["name"] == "max_new_tokens"
     client = mlflow.MlflowClient(uri)
