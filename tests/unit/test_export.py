@@ -117,3 +117,6 @@ def test_an_export_records_the_context_it_was_trained_at(tokenized, tmp_path) ->
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 64
     assert AutoTokenizer.from_pretrained(str(tmp_path / "hf")).model_max_length == 64
     assert load_export(tmp_path / "hf").cfg.max_seq_len == 64
+    assert {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "hf").glob("*.safetensors")} == {
+        "model.safetensors": 0o644  # transformers writes 0600
+    }

@@ -172,7 +172,11 @@ def copy_tokenizer_files(tokenizer_dir: Path, staging: Path, context: int) -> No
 
 def publish_export(staging: Path, out: Path, verification: dict) -> dict:
     """Record the verification in the staged export, then move it to `out` (replacing an older one): an export
-    directory without `export.json` is never one that finished."""
+    directory without `export.json` is never one that finished. Every file is readable by the users who can
+    read the directory (transformers writes its weights 0600, which a shared model store cannot serve)."""
+    for file in staging.iterdir():
+        if file.is_file():
+            file.chmod(0o644)
     atomic_write_json(staging / "export.json", verification)
     if out.exists():
         shutil.rmtree(out)
