@@ -99,8 +99,10 @@ def main() -> None:
                 q: round(float(np.mean([t["covered"][q] for t in trials])), 3) for q in QUANTITIES
             }
             width[method] = {
-                q: round(float(np.median([t["width"][q] for t in trials])), 4) for q in QUANTITIES
+                q: round(float(np.nanmedian([t["width"][q] for t in trials])), 4) for q in QUANTITIES
             }
+            # a sweep whose every refit ran off has no interval: it counts as a miss
+            failed[method] = sum(not np.isfinite(t["width"]["alpha"]) for t in trials)
             if method == args.methods[0]:
                 noisy_a3 = float(np.median(np.abs([t["n_opt_error"] for t in trials])))
                 a2 = [abs(t["approach2_error"]) for t in trials if t["approach2_error"] is not None]
