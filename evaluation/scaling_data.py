@@ -128,7 +128,13 @@ def points_from_table(table: pa.Table, source: str = "") -> ScalingPoints:
         )
 
     def col(key: str) -> np.ndarray:
-        return np.asarray(table.column(cols[key]).to_numpy(zero_copy_only=False), dtype=float)
+        values = table.column(cols[key]).to_numpy(zero_copy_only=False)
+        try:
+            return np.asarray(values, dtype=float)
+        except (TypeError, ValueError) as error:
+            raise ScalingDataError(
+                f"{source or 'table'}: column {cols[key]!r} is not numeric ({error}); give numbers"
+            ) from None
 
     n, loss = col("n"), col("loss")
     d = col("d") if cols["d"] else col("c") / (6.0 * n)
@@ -155,6 +161,11 @@ def points_from_table(table: pa.Table, source: str = "") -> ScalingPoints:
 def load_points(path: str | Path, drop_highest: int = 0) -> ScalingPoints:
     """Read a results table; optionally drop the `drop_highest` highest-loss runs (Epoch drop 5 on Chinchilla)."""
     points = points_from_table(read_table(path), source=str(path))
+    if len(points) == 0:
+        raise ScalingDataError(
+            f"{path}: no usable runs ({points.dropped} rows dropped as non-finite or non-positive N, D or loss); "
+            "give finite positive values"
+        )
     if not 0 <= drop_highest < len(points):
         raise ScalingDataError(
             f"{path}: --drop-highest {drop_highest} must lie in 0..{len(points) - 1} (the table has {len(points)} "

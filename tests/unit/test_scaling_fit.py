@@ -243,3 +243,14 @@ def test_a_law_whose_every_bootstrap_refit_ran_off_gets_nan_intervals_not_a_cras
     assert (
         optimal.n_opt > 0 and math.isnan(optimal.loss_interval[0]) and math.isnan(optimal.n_opt_interval[1])
     )
+
+
+def test_a_table_without_usable_rows_or_with_text_losses_is_named(tmp_path):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("N,D,loss\n1000,1e6,nan\n2000,1e6,-1\n")
+    with pytest.raises(ScalingDataError, match="no usable runs \\(2 rows dropped"):
+        load_points(empty)
+    text = tmp_path / "text.csv"
+    text.write_text("N,D,loss\n1000,1e6,abc\n2000,1e6,def\n")
+    with pytest.raises(ScalingDataError, match="text.csv: column 'loss' is not numeric"):
+        load_points(text)
