@@ -1,5 +1,5 @@
-"""frontier.png: bytes on disk against held-out bits per byte, one marker per method, the uncompressed model as
-the reference point and lines."""
+"""frontier.png: the bytes each variant serves (and stores, hollow) against held-out bits per byte, one marker
+per method, the uncompressed model as the reference point and lines, the registered variant ringed."""
 
 from __future__ import annotations
 
@@ -28,31 +28,49 @@ MARKERS = {
 def write_frontier_plot(frontier: Any, path: Path) -> Path:
     reference, variants = frontier.rows[0], frontier.rows[1:]
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    ref_kb, ref_bpb = reference["disk_bytes"] / 1024, reference["metrics"][BPB]
-    ax.scatter([ref_kb], [ref_bpb], marker="*", s=220, color="black", zorder=3, label="uncompressed")
+    ref_kb, ref_bpb = reference["served_bytes"] / 1024, reference["metrics"][BPB]
+    ax.scatter([ref_kb], [ref_bpb], marker="H", s=160, color="black", zorder=3, label="uncompressed")
     ax.axhline(ref_bpb, color="black", lw=0.8, ls="--")
     ax.axvline(ref_kb, color="black", lw=0.8, ls=":")
     colors = plt.cm.tab10.colors
     for i, method in enumerate(dict.fromkeys(row["method"] for row in variants)):
         rows = [row for row in variants if row["method"] == method]
-        ax.scatter(
-            [row["disk_bytes"] / 1024 for row in rows],
-            [row["metrics"][BPB] for row in rows],
-            marker=MARKERS.get(method, "o"),
-            s=60,
-            color=colors[i % len(colors)],
-            label=method,
-            zorder=2,
-        )
-        for row in rows:
+        colour, marker = colors[i % len(colors)], MARKERS.get(method, "o")
+        for row in rows:  # lmforge's own storage (hollow) to the served export (filled)
+            kb = (row["disk_bytes"] / 1024, row["served_bytes"] / 1024)
+            ax.plot(kb, (row["metrics"][BPB],) * 2, color=colour, lw=0.6, zorder=1)
+            ax.scatter(
+                [kb[0]], [row["metrics"][BPB]], marker=marker, s=40, facecolors="none", edgecolors=colour
+            )
             ax.annotate(
                 row["name"],
-                (row["disk_bytes"] / 1024, row["metrics"][BPB]),
+                (kb[1], row["metrics"][BPB]),
                 fontsize=6,
                 xytext=(3, 3),
                 textcoords="offset points",
             )
-    ax.set_xlabel("weights on disk (KiB)")
+        ax.scatter(
+            [row["served_bytes"] / 1024 for row in rows],
+            [row["metrics"][BPB] for row in rows],
+            marker=marker,
+            s=60,
+            color=colour,
+            label=method,
+            zorder=2,
+        )
+    if frontier.chosen:
+        chosen = frontier.record(frontier.chosen)
+        ax.scatter(
+            [chosen["served_bytes"] / 1024],
+            [chosen["metrics"][BPB]],
+            s=260,
+            facecolors="none",
+            edgecolors="red",
+            linewidths=1.5,
+            zorder=4,
+            label=f"registered: {frontier.chosen}",
+        )
+    ax.set_xlabel("weights served (KiB; hollow: lmforge's own storage)")
     ax.set_ylabel("held-out bits per byte (lower is better)")
     ax.set_title("Compression frontier: size vs held-out quality")
     ax.grid(alpha=0.3)
