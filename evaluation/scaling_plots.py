@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.colors
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -171,13 +172,19 @@ def _contours(
 def _residuals(points: ScalingPoints, law: Law, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     resid = np.log(law.loss(points.n, points.d)) - np.log(points.loss)
-    ax.scatter(points.c, resid, c=np.log(points.n), s=10, cmap="plasma")
+    dots = ax.scatter(points.c, resid, c=points.n, s=12, cmap="plasma", norm=matplotlib.colors.LogNorm())
+    for run in np.unique(points.runs):  # the horizons of one run, joined: its offset is shared
+        mine = points.runs == run
+        if mine.sum() > 1:
+            order = np.argsort(points.c[mine])
+            ax.plot(points.c[mine][order], resid[mine][order], color="grey", lw=0.5, zorder=0)
+    fig.colorbar(dots, ax=ax, label="parameters N")
     ax.axhline(0, color="k", lw=0.8)
     ax.set(
         xscale="log",
         xlabel="compute C (FLOPs)",
         ylabel="log predicted − log observed",
-        title="Approach 3 residuals (colour: log N)",
+        title="Approach 3 residuals (lines join a run's horizons)",
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
