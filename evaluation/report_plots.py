@@ -31,7 +31,8 @@ def write_report_plots(report: Any, out: Path) -> list[Path]:
 
 
 def _metrics(report: Any, path: Path) -> Path | None:
-    metrics = [m for m in HEADLINE if m in report.metrics]
+    # a metric every model scores 0 on (exact match of a tiny model) draws an empty panel: it is in the table
+    metrics = [m for m in HEADLINE if m in report.metrics and any(report.metrics[m].values())]
     if not metrics:
         return None
     names = list(report.models)
