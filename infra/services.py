@@ -313,4 +313,12 @@ def save_state(state_dir: Path, services: list[Running]) -> None:
 
 def load_state(state_dir: Path) -> list[Running]:
     path = state_dir / STATE_FILE
-    return [Running(**s) for s in json.loads(path.read_text())] if path.is_file() else []
+    if not path.is_file():
+        return []
+    try:
+        return [Running(**s) for s in json.loads(path.read_text())]
+    except (ValueError, TypeError) as error:
+        raise ServiceError(
+            f"{path}: unreadable ({error}); it records the processes `lmforge up` started: stop any still running "
+            "(`ps -ef | grep -E 'mlflow|prefect|ray'`), then delete the file"
+        ) from None

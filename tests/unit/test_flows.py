@@ -123,3 +123,14 @@ def test_a_registering_pipeline_refuses_attention_without_a_llama_layout(capsys)
         assert "\n" not in message and "model.attention=favor has no Hugging Face layout" in message
     linear = load_recipe("smoke", ["model.attention=linear"])
     preflight(linear, pipeline_stages({"register_model": False}, "fit"))
+
+
+def test_a_corrupt_services_file_is_one_line_naming_it(tmp_path, capsys):
+    from flows.cli import main
+
+    (tmp_path / "services.json").write_text('[{"name": "mlflow", "pid"')
+    for command in (["down", "--state-dir", str(tmp_path)], ["up", "--state-dir", str(tmp_path)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"{tmp_path / 'services.json'}: unreadable" in err and "delete the file" in err
+        assert len(err.splitlines()) == 1
