@@ -91,8 +91,13 @@ def derive_pairs(conversations: list[Messages], how: str, seed: int) -> list[Pai
 
 def _pair(record: Any, where: str) -> Pair:
     """A `{"prompt", "chosen", "rejected"}` record, checked."""
-    if not isinstance(record, dict) or not all(k in record for k in ("prompt", *SIDES)):
-        raise DataError(f"{where}: expected {{'prompt': ..., 'chosen': ..., 'rejected': ...}}")
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a record {{'prompt': ..., 'chosen': ..., 'rejected': ...}}")
+    if missing := [k for k in ("prompt", *SIDES) if k not in record]:
+        raise DataError(
+            f"{where}: no {', '.join(repr(k) for k in missing)} field (it has {', '.join(map(repr, record)) or 'none'}); "
+            "each record needs 'prompt', 'chosen' and 'rejected'"
+        )
     prompt = record["prompt"]
     turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not isinstance(turns, list) or not turns:

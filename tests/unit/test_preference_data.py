@@ -96,7 +96,11 @@ def test_user_pairs_from_jsonl_and_parquet(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "line, message",
     [
-        ('{"prompt": "x", "chosen": "y"}', r"pairs.jsonl:2: expected \{'prompt'"),
+        (
+            '{"prompt": "x", "chosen": "y"}',
+            r"pairs.jsonl:2: no 'rejected' field \(it has 'prompt', 'chosen'\)",
+        ),
+        ('["x", "y"]', r"pairs.jsonl:2: expected a record"),
         ('{"prompt": "x", "chosen": 3, "rejected": "z"}', "must be strings"),
         ('{"prompt": "x <|end|>", "chosen": "y", "rejected": "z"}', "reserved marker"),
         ("not json", "pairs.jsonl:2: not valid JSON"),
