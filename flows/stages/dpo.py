@@ -39,6 +39,14 @@ def preference_data(recipe: Recipe, base: TrainedModel) -> PreferenceManifest:
     )
 
 
+def check_pairs(recipe: Recipe) -> None:
+    """A user's pairs file is read and checked before anything in the plan trains (not after SFT)."""
+    from data_pipeline.preference import read_pairs
+
+    if recipe.data.preference.source != "derived":
+        read_pairs(Path(recipe.data.preference.source))
+
+
 def reference_logps(recipe: Recipe, base: TrainedModel, pairs: PreferenceManifest) -> ReferenceLogps:
     from training.stages.dpo import run_reference_logps
 
@@ -109,4 +117,5 @@ DPO: StageDef[TrainedModel] = StageDef(
         "a fine-tuned (or pretrained) run directory (default: this recipe's, trained if missing)",
     ),
     tags=("gpu",),
+    preflight=check_pairs,
 )

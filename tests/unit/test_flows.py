@@ -134,3 +134,17 @@ def test_a_corrupt_services_file_is_one_line_naming_it(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert f"{tmp_path / 'services.json'}: unreadable" in err and "delete the file" in err
         assert len(err.splitlines()) == 1
+
+
+def test_a_missing_pairs_file_is_refused_before_anything_trains(tmp_path, capsys):
+    from flows.cli import main
+
+    out = tmp_path / "outputs"
+    assert (
+        main(["dpo", "smoke", "--set", "data.preference.source=/nope.jsonl", "--set", f"output_dir={out}"])
+        == 2
+    )
+    assert "data.preference.source: /nope.jsonl does not exist" in capsys.readouterr().err
+    assert not out.exists()  # no tokenizer, no pretraining, no SFT first
+    with pytest.raises(ValueError, match="/nope.jsonl does not exist"):
+        PipelineParams(recipe="smoke", dpo=True, overrides=["data.preference.source=/nope.jsonl"])
