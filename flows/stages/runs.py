@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from infra.config import ConfigError
 from infra.object_store import is_remote
+from training.compress.config import VARIANT_FILE
 
 if TYPE_CHECKING:
     from training.stages.lifecycle import TrainedModel
@@ -22,6 +23,12 @@ def load_model(run_dir: str | Path) -> TrainedModel:
     if not is_remote(run_dir) and not Path(run_dir).is_dir():
         raise ConfigError(
             f"{run_dir}: no such run directory; give a training run's directory (outputs/<stage>/<name>-<hash>)"
+        )
+    if not is_remote(run_dir) and (Path(run_dir) / VARIANT_FILE).is_file():
+        raise ConfigError(
+            f"{run_dir} is a finished compressed variant, not a training run: give a training run's directory "
+            "(outputs/<stage>/<name>-<hash>); the variant's hf/ export loads in transformers (with torchao), and "
+            "the compress stage's frontier evaluates it"
         )
     return TrainedModel.load(run_dir)
 

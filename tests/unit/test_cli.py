@@ -170,3 +170,14 @@ def test_review_commands_are_absolute_and_link_the_experiments_runs(
     assert f"http://127.0.0.1:5000/#/experiments/{experiment}/runs" in mlflow_line
     prefect_line = next(line for line in out.splitlines() if "Prefect:" in line)
     assert f"{Path(sys.executable).parent.resolve() / 'prefect'} server start --port 4200" in prefect_line
+
+
+def test_a_compressed_variant_given_as_a_run_is_named_as_such(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    variant = tmp_path / "gptq-w4g16"
+    (variant / "hf").mkdir(parents=True)
+    (variant / "variant.json").write_text("{}")
+    assert main(["eval", "smoke", str(variant)]) == 2
+    err = capsys.readouterr().err
+    assert "is a finished compressed variant, not a training run" in err and "has not finished" not in err

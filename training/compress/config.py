@@ -19,6 +19,7 @@ from pydantic import (
 from infra.tracking import TrackingConfig
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+VARIANT_FILE = "variant.json"  # a finished variant's record, beside its hf/ export
 Method = Literal["int8-weight", "int8-dynamic", "int4", "rtn", "gptq", "lowrank", "magnitude", "wanda"]
 QUANTIZED = ("int8-weight", "int8-dynamic", "int4", "rtn", "gptq")
 SETTINGS: dict[str, tuple[str, ...]] = {  # the fields each method reads

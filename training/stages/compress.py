@@ -25,7 +25,7 @@ from data_pipeline.shards import DatasetManifest
 from data_pipeline.sources import DataError
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json, damaged_file, sha256_file
-from training.compress.config import CalibrationConfig, CompressSpec
+from training.compress.config import VARIANT_FILE, CalibrationConfig, CompressSpec
 from training.compress.model_level import model_bytes
 from training.compress.variants import (
     FACTORS,
@@ -216,7 +216,7 @@ def _compress(
         if progress is not None:
             progress(i, variant.name)
         directory = out / variant.name
-        done = directory / "variant.json"
+        done = directory / VARIANT_FILE
         if done.is_file():  # made before an interruption (kept unless damaged since)
             record = VariantRecord.model_validate_json(done.read_text())
             if record.damage() is None:
