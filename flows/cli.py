@@ -209,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lmforge: error: {line} (LMFORGE_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
     except KeyboardInterrupt as interrupt:
-        print(f"lmforge: {interrupt or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
+        print(
+            f"lmforge: {str(interrupt) or 'interrupted'}; rerun the same command to resume", file=sys.stderr
+        )
         return 130
 
 

@@ -181,3 +181,14 @@ def test_a_compressed_variant_given_as_a_run_is_named_as_such(
     assert main(["eval", "smoke", str(variant)]) == 2
     err = capsys.readouterr().err
     assert "is a finished compressed variant, not a training run" in err and "has not finished" not in err
+
+
+def test_an_interrupt_says_so_and_how_to_resume(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    import flows.cli_scaling
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flows.cli_scaling, "cmd_fit_scaling", interrupted)
+    assert main(["fit-scaling", "table.csv"]) == 130
+    assert capsys.readouterr().err.strip() == "lmforge: interrupted; rerun the same command to resume"
