@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from evaluation.config import EvalSpec, FrontierSpec
 from infra.config import Change, ConfigError, apply_overrides, parse_override
@@ -60,6 +68,19 @@ class RecipeCore(BaseModel):
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @field_validator("output_dir")
+    @classmethod
+    def _local_uri_is_a_path(cls, value: str) -> str:
+        """`file:///abs` is the local path /abs (it was a relative directory named `file:`)."""
+        if value.startswith("file://"):
+            path = value.removeprefix("file://")
+            if not path.startswith("/"):
+                raise ValueError(
+                    f"output_dir={value}: a file:// URI needs an absolute path (file:///abs/path)"
+                )
+            return path
+        return value
 
     @model_validator(mode="after")
     def _check_across_slices(self) -> RecipeCore:

@@ -217,3 +217,11 @@ def test_matrix_settings_need_a_matrix_optimiser_and_kfac_refuses_fp16() -> None
     assert "loss scale" in bad(["optim.name=kfac", "parallel.precision=fp16"])
     assert "μP" in bad(["optim.name=soap", "model.mup.base_width=32"])
     assert load_recipe("smoke", ["optim.name=kfac", "optim.damping=0.01"]).optim.damping == 0.01
+
+
+def test_a_file_uri_output_dir_is_its_absolute_path() -> None:
+    """`output_dir=file:///abs` writes to /abs (it made a relative directory named `file:`); a relative one is
+    refused naming the form."""
+    assert load_recipe("smoke", ["output_dir=file:///tmp/lmforge-out"]).output_dir == "/tmp/lmforge-out"
+    with pytest.raises(ValueError, match="a file:// URI needs an absolute path"):
+        load_recipe("smoke", ["output_dir=file://outputs"])
