@@ -148,3 +148,16 @@ def test_a_missing_pairs_file_is_refused_before_anything_trains(tmp_path, capsys
     assert not out.exists()  # no tokenizer, no pretraining, no SFT first
     with pytest.raises(ValueError, match="/nope.jsonl does not exist"):
         PipelineParams(recipe="smoke", dpo=True, overrides=["data.preference.source=/nope.jsonl"])
+
+
+def test_a_ray_port_in_rays_worker_range_is_refused_before_anything_starts(tmp_path, capsys):
+    from flows.cli import main
+
+    assert (
+        main(
+            ["up", "--state-dir", str(tmp_path / "state"), "--outputs", str(tmp_path), "--ray-port", "12345"]
+        )
+        == 2
+    )
+    assert "--ray-port 12345 lies in Ray's worker-port range 10002-19999" in capsys.readouterr().err
+    assert not (tmp_path / "state" / "services.json").exists()  # nothing was started
