@@ -276,8 +276,10 @@ class Corpus:
         elif kind == ".parquet":
             yield from self._iter_parquet(path, file_id)
         else:
-            text = decode_text(_open_bytes(path), str(path), self.stats, self.cfg.encoding)
+            read = ReadStats()  # a file skipped as binary counts as skipped, not as text with bytes replaced
+            text = decode_text(_open_bytes(path), str(path), read, self.cfg.encoding)
             if (reason := binary_reason(text)) is None:
+                self.stats.add(read)
                 yield Document(file_id, text)
             elif self.cfg.on_bad_record == "skip":
                 log.warning("%s: skipped, it looks binary (%s)", path, reason)

@@ -155,6 +155,7 @@ def test_binary_file_in_a_text_glob_is_refused_or_skipped_by_name(tmp_path: Path
     corpus = Corpus(cfg(str(tmp_path / "*.txt"), on_bad_record="skip"))
     assert [d.text for d in corpus] == ["plain words"]
     assert corpus.stats.binary_skipped == 1 and corpus.stats.binary_files == [str(tmp_path / "x.txt")]
+    assert corpus.stats.replaced_bytes == 0 and corpus.stats.replaced_in == []  # skipped, not "repaired"
     (tmp_path / "x.txt").write_bytes(bytes(range(128, 256)) * 4)  # no NULs, none of it UTF-8
     with pytest.raises(DataError, match=r"looks binary, not text \(100% of it is not valid text"):
         list(Corpus(cfg(str(tmp_path / "*.txt"))))
