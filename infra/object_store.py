@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -96,12 +97,17 @@ def _s3_filesystem(uri: str) -> pafs.FileSystem:
     return pafs.S3FileSystem(**options)
 
 
+GCS_RETRY_SECONDS = 15  # per operation, inside the client; `Store._retry` then logs and retries
+
+
 def _filesystem(uri: str) -> pafs.FileSystem:
     scheme, _, _ = split_uri(uri)
     if scheme == "s3":
         return _s3_filesystem(uri)
-    if scheme == "gs":
-        return pafs.GcsFileSystem()
+    if (
+        scheme == "gs"
+    ):  # bounded like S3's: unbounded, a machine without credentials or network hung for minutes
+        return pafs.GcsFileSystem(retry_time_limit=timedelta(seconds=GCS_RETRY_SECONDS))
     account = os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
     if not account:
         raise StorageError(
@@ -125,6 +131,7 @@ _DENIED = (
     "AccessDenied",
     "Forbidden",
     "403",
+    "OAuth2 access token",  # GCS without usable credentials (no key file, no metadata server)
 )
 _TRANSIENT = (
     "NETWORK_CONNECTION",
@@ -177,9 +184,10 @@ class Store:
                         f"check {_credential_variables(scheme)}"
                     ) from None
                 if not any(word in text for word in _TRANSIENT) or attempt == ATTEMPTS:
+                    endpoint = {"s3": " and AWS_ENDPOINT_URL"}.get(scheme, "")
                     raise StorageError(
                         f"{self.url(what)}: {text.splitlines()[0][:160]} (after {attempt} attempt(s)); check the "
-                        "network and AWS_ENDPOINT_URL, then rerun: finished work is kept and the stage resumes"
+                        f"network{endpoint}, then rerun: finished work is kept and the stage resumes"
                     ) from None
                 delay = min(8.0, 0.25 * 2**attempt)
                 log.warning("%s: %s; retrying in %.1f s", self.url(what), text.splitlines()[0][:120], delay)
