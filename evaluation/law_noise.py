@@ -156,7 +156,8 @@ def prediction_interval(
         return np.nan, np.nan
     law = Law(**{k: samples[k] for k in ("E", "A", "B", "alpha", "beta")})
     rng = np.random.default_rng(seed)
-    loss = law.loss(n, d) * np.exp(noise.draw(rng, np.zeros(1, int), len(samples["E"]))[:, 0])
+    with np.errstate(over="ignore", invalid="ignore"):  # a wild resample's law overflows: inf, ranked last
+        loss = law.loss(n, d) * np.exp(noise.draw(rng, np.zeros(1, int), len(samples["E"]))[:, 0])
     lo, hi = np.nanpercentile(loss, [50 * (1 - level), 50 * (1 + level)])
     return float(lo), float(hi)
 

@@ -140,9 +140,10 @@ def intervals_at(
     if len(samples["E"]) == 0:
         nan = np.full(np.atleast_1d(n).shape, np.nan)
         return nan, nan
-    boot = Law(**{k: samples[k][:, None] for k in LAW_KEYS}).loss(
-        np.atleast_1d(n)[None], np.atleast_1d(d)[None]
-    )
+    with np.errstate(over="ignore", invalid="ignore"):  # a wild resample's law overflows: inf, ranked last
+        boot = Law(**{k: samples[k][:, None] for k in LAW_KEYS}).loss(
+            np.atleast_1d(n)[None], np.atleast_1d(d)[None]
+        )
     lo, hi = np.nanpercentile(boot, [2.5, 97.5], axis=0)
     return lo, hi
 
@@ -171,8 +172,11 @@ def compute_optimal(
     n_opt, d_opt = float(law.optimal_n(budget)), float(law.optimal_d(budget))
     boot = [Law(*(samples[k][i] for k in ("E", "A", "B", "alpha", "beta"))) for i in range(len(samples["E"]))]
     # no resample at all (a degenerate law, every refit ran off): NaN intervals
-    boot_n = np.array([float(b.optimal_n(budget)) for b in boot] or [np.nan])
-    boot_loss = np.array([float(b.loss(b.optimal_n(budget), b.optimal_d(budget))) for b in boot] or [np.nan])
+    with np.errstate(over="ignore", invalid="ignore"):  # wild resamples overflow or have no interior optimum
+        boot_n = np.array([float(b.optimal_n(budget)) for b in boot] or [np.nan])
+        boot_loss = np.array(
+            [float(b.loss(b.optimal_n(budget), b.optimal_d(budget))) for b in boot] or [np.nan]
+        )
     ratio = float(np.median(points.n_total / points.n))
     return ComputeOptimal(
         budget=budget,
