@@ -124,9 +124,8 @@ class ScalingFit(Artifact):
         """The runs' scatter (none recorded: a fit from before lmforge measured it)."""
         if not self.noise:
             return NoiseModel(0.0, 0.0)
-        return NoiseModel(
-            **{k: math.inf if v is None else v for k, v in self.noise.items()}
-        )  # JSON: inf -> null
+        # JSON has no infinity: an exactly known variance's degrees of freedom are written as null
+        return NoiseModel(**{k: math.inf if v is None else v for k, v in self.noise.items()})
 
     def save(self, out_dir: str | Path) -> None:
         atomic_write_json(Path(out_dir) / FIT_FILE, self.model_dump(mode="json"))
