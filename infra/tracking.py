@@ -231,9 +231,14 @@ def open_run(
     tags: dict[str, str],
     resume_id: str | None = None,
 ) -> TrackedRun:
-    """Create the MLflow run for a stage (nested under `cfg.parent_run_id`), or continue `resume_id`."""
+    """Create the MLflow run for a stage (nested under `cfg.parent_run_id`), or continue `resume_id` (moved under
+    this invocation's parent: a resumed stage belongs to the pipeline run that finished it, not the FAILED one
+    that was interrupted, which the run's `lmforge.earlier_parent_run_id` tag keeps)."""
     if not cfg.enabled or resume_id is not None:
-        return existing_run(cfg, output_dir, resume_id)
+        run = existing_run(cfg, output_dir, resume_id)
+        if cfg.enabled and cfg.parent_run_id and run.run_id:
+            reparent(run, cfg.parent_run_id)
+        return run
     import mlflow
 
     uri = tracking_uri(cfg, output_dir)
@@ -243,6 +248,18 @@ def open_run(
     client = mlflow.MlflowClient(uri)
     run = client.create_run(_experiment_id(uri, cfg, output_dir), run_name=run_name, tags=tags)
     return TrackedRun(uri=uri, run_id=run.info.run_id)
+
+
+def reparent(run: TrackedRun, parent_run_id: str) -> None:
+    """Nest `run` under `parent_run_id`, remembering the parent it had."""
+    import mlflow
+
+    client = mlflow.MlflowClient(run.uri)
+    earlier = client.get_run(run.run_id).data.tags.get("mlflow.parentRunId")
+    if earlier != parent_run_id:
+        client.set_tag(run.run_id, "mlflow.parentRunId", parent_run_id)
+        if earlier:
+            client.set_tag(run.run_id, "lmforge.earlier_parent_run_id", earlier)
 
 
 @contextmanager

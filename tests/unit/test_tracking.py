@@ -21,3 +21,19 @@ def test_buffered_metrics_arrive_on_flush(tmp_path):
     unbuffered.log_metrics({"x": 2.0}, 0)
     assert client.get_run(run.run_id).data.metrics["x"] == 2.0
     run.finish()
+
+
+def test_a_resumed_stage_moves_under_the_pipeline_run_that_finishes_it(tmp_path):
+    """An interrupted pipeline's stage run was nested under the FAILED pipeline run; the rerun that resumes it is
+    its parent now, and the earlier parent is kept in a tag."""
+    first = open_run(TrackingConfig(), tmp_path, "pipeline", {})
+    second = open_run(TrackingConfig(), tmp_path, "pipeline (rerun)", {})
+    stage = open_run(TrackingConfig(parent_run_id=first.run_id), tmp_path, "pretrain", {})
+    resumed = open_run(
+        TrackingConfig(parent_run_id=second.run_id), tmp_path, "pretrain", {}, resume_id=stage.run_id
+    )
+    assert resumed.run_id == stage.run_id
+    tags = mlflow.MlflowClient(stage.uri).get_run(stage.run_id).data.tags
+    assert (
+        tags["mlflow.parentRunId"] == second.run_id and tags["lmforge.earlier_parent_run_id"] == first.run_id
+    )
