@@ -360,6 +360,14 @@ def test_killed_pipeline_resumes_and_matches_an_uninterrupted_run(services, tmp_
     rerun = subprocess.run(command(killed), env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert tokens.stat().st_mtime_ns == stamp  # tokenization was skipped
+    # the resumed pretraining run is nested under the pipeline run that finished it, not the killed one
+    tracking = mlflow.MlflowClient(f"sqlite:///{killed / 'mlflow.db'}")
+    experiment = tracking.get_experiment_by_name("lmforge").experiment_id
+    (pretrain,) = [
+        r for r in tracking.search_runs([experiment]) if r.data.tags.get("lmforge.stage") == "pretrain"
+    ]
+    assert tracking.get_run(pretrain.data.tags["mlflow.parentRunId"]).info.status == "FINISHED"
+    assert tracking.get_run(pretrain.data.tags["lmforge.earlier_parent_run_id"]).info.status != "FINISHED"
     # the uninterrupted run is what `make demo` does: no Prefect server anywhere, so `lmforge pipeline` starts a
     # temporary one whose database stays in the output directory with the finished flow run in it
     straight = tmp_path / "straight"
