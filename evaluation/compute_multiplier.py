@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import brentq
 
-from evaluation.chinchilla_fit import Bootstrap, Law, bootstrap, fit_law
+from evaluation.chinchilla_fit import Bootstrap, Law
+from evaluation.law_noise import calibrated_fit
 from evaluation.scaling_data import ScalingDataError, ScalingPoints
 
 LAW_KEYS = ("E", "A", "B", "alpha", "beta")
@@ -92,16 +93,18 @@ def compare_points(
     n_bootstrap: int = 1000,
     level: float = 0.95,
 ) -> Comparison:
-    """Fit both ladders, then the multiplier of A relative to B at `c_ref` with a paired-bootstrap interval."""
-    law_a, law_b = fit_law(points_a).law, fit_law(points_b).law
+    """Fit both ladders as `lmforge fit` does (`calibrated_fit`), then the multiplier of A relative to B at `c_ref`
+    with a paired-bootstrap interval (each ladder's resamples drawn from its own noise model)."""
+    fit_a = calibrated_fit(points_a, n_resamples=n_bootstrap, seed=0, level=level)
+    fit_b = calibrated_fit(points_b, n_resamples=n_bootstrap, seed=1, level=level)
+    law_a, law_b = fit_a.fit.law, fit_b.fit.law
     for which, law, points in (("A", law_a, points_a), ("B", law_b, points_b)):
         if not has_frontier(law):
             raise ScalingDataError(
                 f"{points.source or which}: the law fitted to variant {which}'s ladder has no compute-optimal "
                 f"frontier (A={law.A:.3g}, B={law.B:.3g}, α={law.alpha:.3g}, β={law.beta:.3g}); add sizes or budgets"
             )
-    boot_a = bootstrap(points_a, law_a, n_resamples=n_bootstrap, level=level, seed=0)
-    boot_b = bootstrap(points_b, law_b, n_resamples=n_bootstrap, level=level, seed=1)
+    boot_a, boot_b = fit_a.boot, fit_b.boot
     pairs = [
         multiplier(a, b, c_ref) for a, b in zip(resampled_laws(boot_a), resampled_laws(boot_b), strict=False)
     ]

@@ -180,6 +180,7 @@ def calibrated_fit(
     n_resamples: int = 2000,
     method: IntervalMethod = "noise",
     seed: int = 0,
+    level: float = 0.95,
 ) -> CalibratedFit:
     """Fit with Hoffmann's δ = 1e-3 (an L1 fit: robust, but inefficient when runs scatter by percents), estimate
     the noise, refit with Huber's threshold scaled to it (δ = 1.345·σ), then bootstrap by `method`."""
@@ -188,10 +189,10 @@ def calibrated_fit(
     fit = fit_law(points, starts=first.law.theta(), delta=delta) if delta > HUBER_DELTA else first
     noise = estimate_noise(points, fit.law)
     if method == "noise":
-        boot = noise_bootstrap(points, fit.law, noise, n_resamples=n_resamples, seed=seed, delta=delta)
+        boot = noise_bootstrap(points, fit.law, noise, n_resamples, level, seed, delta)
     elif method in ("runs", "points"):
         table = points if method == "runs" else replace(points, run=None)
-        boot = bootstrap(table, fit.law, n_resamples=n_resamples, seed=seed, delta=delta)
+        boot = bootstrap(table, fit.law, n_resamples, level, seed, delta)
     else:
         raise ValueError(f"interval method {method!r}: choose noise, runs or points")
     return CalibratedFit(fit, noise, delta, boot, method)

@@ -24,7 +24,7 @@ from infra.storage import atomic_write_json
 from infra.tracking import tracked_run
 
 RESULT = "comparison.json"
-COMPARE_VERSION = 1
+COMPARE_VERSION = 2  # 2: each ladder fitted with its noise model (calibrated_fit)
 
 
 def check_comparable(a: Recipe, b: Recipe, names: tuple[str, str]) -> None:
