@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -71,15 +72,21 @@ def gone(directory: Path, elsewhere: Path) -> None:
         assert time.monotonic() < deadline, f"{directory} keeps being written after the kill"
 
 
+class Straight(NamedTuple):
+    run_dir: Path  # this node's copy (tests that play another node wipe it)
+    losses: dict[int, float]  # read when it finished, so no test depends on the copy surviving the others
+
+
 @pytest.fixture(scope="module")
-def straight(s3) -> Path:
-    """The undisturbed 2-worker run, its outputs on the store; its local copy is this node's."""
+def straight(s3) -> Straight:
+    """The undisturbed 2-worker run, its outputs on the store."""
     done = pretrain("s3://lmforge/straight")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return run_dir_of("s3://lmforge/straight")
+    run_dir = run_dir_of("s3://lmforge/straight")
+    return Straight(run_dir, losses(run_dir))
 
 
-def test_pipeline_on_object_storage(s3, straight: Path) -> None:
+def test_pipeline_on_object_storage(s3, straight: Straight) -> None:
     from data_pipeline.tokenize import run_tokenize
     from evaluation.report import run_eval
     from flows.recipe import load_recipe
@@ -99,8 +106,8 @@ def test_pipeline_on_object_storage(s3, straight: Path) -> None:
         recipe.pretrain_spec(), data
     )  # finished on the store: pulled, verified, not retrained
     assert (
-        Path(base.run_dir) == straight
-        and losses(straight)
+        Path(base.run_dir) == straight.run_dir
+        and losses(straight.run_dir) == straight.losses
         and (Path(base.hf_export) / "config.json").is_file()
     )
     examples = sft_data(recipe, base)
@@ -121,7 +128,7 @@ def test_pipeline_on_object_storage(s3, straight: Path) -> None:
     assert load_model(lora.uri).key == lora.key  # `lmforge eval <recipe> s3://...` takes runs by URI
 
 
-def test_killed_run_resumes_on_another_node_exactly(s3, straight: Path, tmp_path: Path) -> None:
+def test_killed_run_resumes_on_another_node_exactly(s3, straight: Straight, tmp_path: Path) -> None:
     uri = "s3://lmforge/killed"
     store = open_store(uri)
     args = ["pretrain", "smoke", *with_sets(smoke_overrides(uri, *STEPS))]
@@ -135,7 +142,7 @@ def test_killed_run_resumes_on_another_node_exactly(s3, straight: Path, tmp_path
     resumed = pretrain(uri)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     run_dir = run_dir_of(uri)
-    assert losses(run_dir) == losses(straight)  # every step, bit for bit
+    assert losses(run_dir) == straight.losses  # every step, bit for bit
     assert logged_once(run_dir, 10), "steps before the checkpoint were trained twice: a restart"
 
     before = store.listing()
@@ -143,7 +150,7 @@ def test_killed_run_resumes_on_another_node_exactly(s3, straight: Path, tmp_path
     assert rerun.returncode == 0 and store.listing() == before  # a no-op: nothing trained, nothing uploaded
 
 
-def test_damaged_objects_are_detected_by_digest(s3, straight: Path, caplog) -> None:
+def test_damaged_objects_are_detected_by_digest(s3, straight: Straight, caplog) -> None:
     from data_pipeline.shards import ShardReader
     from data_pipeline.tokenize import run_tokenize
     from flows.recipe import load_recipe
