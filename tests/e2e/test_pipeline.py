@@ -366,8 +366,12 @@ def test_killed_pipeline_resumes_and_matches_an_uninterrupted_run(services, tmp_
     (pretrain,) = [
         r for r in tracking.search_runs([experiment]) if r.data.tags.get("lmforge.stage") == "pretrain"
     ]
-    assert tracking.get_run(pretrain.data.tags["mlflow.parentRunId"]).info.status == "FINISHED"
-    assert tracking.get_run(pretrain.data.tags["lmforge.earlier_parent_run_id"]).info.status != "FINISHED"
+    parent, earlier = (pretrain.data.tags[k] for k in ("mlflow.parentRunId", "lmforge.earlier_parent_run_id"))
+    pipelines = [
+        r.info.run_id for r in tracking.search_runs([experiment], order_by=["attributes.start_time"])
+    ]
+    assert parent != earlier and pipelines.index(earlier) < pipelines.index(parent)  # killed, then rerun
+    assert tracking.get_run(parent).info.status == "FINISHED"
     # the uninterrupted run is what `make demo` does: no Prefect server anywhere, so `lmforge pipeline` starts a
     # temporary one whose database stays in the output directory with the finished flow run in it
     straight = tmp_path / "straight"
