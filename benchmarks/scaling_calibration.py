@@ -25,6 +25,7 @@ from evaluation.isoflop import fit_parabolas
 from evaluation.law_noise import NoiseModel, calibrated_fit
 from evaluation.synthetic_ladder import Design, run_trial, simulate
 from flows.recipe import load_recipe
+from flows.scaling import target_budget
 from training.stages.sweep import plan_trials
 
 # The demo's sweep as `make demo` measured it from a fresh clone at 4a96403 (2026-12-02): the law `lmforge fit` now
@@ -35,13 +36,13 @@ QUANTITIES = ("alpha", "beta", "n_opt", "rung_law", "rung_run")
 
 
 def design_of(recipe_name: str, overrides: list[str]) -> tuple[Design, float]:
-    """The (N, D, run) of every point the recipe's sweep trains, and its target budget."""
+    """The (N, D, run) of every point the recipe's sweep trains, and the rung's budget (the demo's: 3x 8e11)."""
     recipe = load_recipe(recipe_name, overrides)
     plans, _ = plan_trials(recipe.sweep_spec())
     n = np.array([p.n_active for p in plans for _ in p.steps], dtype=float)
     d = np.array([s * p.tokens_per_step for p in plans for s in p.steps], dtype=float)
     run = np.repeat(np.arange(len(plans)), [len(p.steps) for p in plans])
-    return Design(n, d, run), float(recipe.sweep.target_budget or max(recipe.sweep.budgets))
+    return Design(n, d, run), target_budget(recipe)
 
 
 def _chunk(args: tuple) -> list[dict]:
