@@ -7,7 +7,7 @@ simulated sweep the fit, its intervals and the rung's prediction are checked aga
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from evaluation.chinchilla_fit import Law
 from evaluation.isoflop import fit_parabolas
 from evaluation.law_noise import IntervalMethod, NoiseModel, calibrated_fit, prediction_interval
 from evaluation.scaling_data import ScalingDataError, ScalingPoints
-from evaluation.scaling_report import intervals_at
+from evaluation.scaling_report import compute_optimal, intervals_at
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ class Design:
 
 def simulate(law: Law, design: Design, noise: NoiseModel, rng: np.random.Generator) -> ScalingPoints:
     """One sweep: the law at every point with a run offset shared by the run's points and noise per point."""
-    runs = np.unique(design.run, return_inverse=True)[1].ravel()
-    return design.points(law.loss(design.n, design.d) * np.exp(noise.draw(rng, runs, 1)[0]))
+    exact = design.points(law.loss(design.n, design.d))
+    return replace(exact, loss=exact.loss * np.exp(noise.draw(rng, exact.runs, 1)[0]))
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,6 @@ def run_trial(
     law, boot = fitted.fit.law, fitted.boot
     est = boot.samples
     n_true = float(truth.optimal_n(budget))
-    boot_n = Law(**{k: est[k] for k in ("E", "A", "B", "alpha", "beta")}).optimal_n(budget)
     n_rung = float(law.optimal_n(budget))
     d_rung = budget / (6.0 * n_rung)
     law_loss = float(truth.loss(n_rung, d_rung))
@@ -78,7 +77,7 @@ def run_trial(
     bounds = {
         "alpha": boot.interval("alpha"),
         "beta": boot.interval("beta"),
-        "n_opt": tuple(np.nanpercentile(boot_n, [2.5, 97.5])) if boot.n else (np.nan, np.nan),
+        "n_opt": compute_optimal(points, law, est, budget).n_opt_interval,
         "rung_law": (lo_c, hi_c),
         "rung_run": (lo_p, hi_p),
     }

@@ -130,12 +130,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Start Prefect, MLflow and (unless --no-ray) a Ray head; each is recorded as soon as it is healthy, and a
     failure stops the ones already started."""
     from infra.services import (
-        DEFAULT_PORTS,
         ServiceError,
         check_bind,
-        check_ray_ports,
         is_running,
         load_state,
+        ray_ports,
         save_state,
         start_mlflow,
         start_prefect,
@@ -151,9 +150,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     for service in ("prefect", "mlflow", *(() if args.no_ray else ("ray",))):
         check_bind(service, args.host)  # refuse before starting anything
     if not args.no_ray:
-        check_ray_ports(
-            args.ray_port or DEFAULT_PORTS["ray"], args.ray_dashboard_port or DEFAULT_PORTS["ray_dashboard"]
-        )
+        ray_ports(args.ray_port, args.ray_dashboard_port)
     outputs = Path(args.outputs).resolve()
     outputs.mkdir(parents=True, exist_ok=True)
     starters = [

@@ -104,9 +104,8 @@ def _filesystem(uri: str) -> pafs.FileSystem:
     scheme, _, _ = split_uri(uri)
     if scheme == "s3":
         return _s3_filesystem(uri)
-    if (
-        scheme == "gs"
-    ):  # bounded like S3's: unbounded, a machine without credentials or network hung for minutes
+    if scheme == "gs":
+        # retries bounded like S3's: unbounded, a machine without credentials or network hung for minutes
         return pafs.GcsFileSystem(retry_time_limit=timedelta(seconds=GCS_RETRY_SECONDS))
     account = os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
     if not account:

@@ -211,15 +211,17 @@ def ray_env(state_dir: Path, host: str) -> tuple[dict[str, str], str]:
 RAY_WORKER_PORTS = range(10002, 20000)  # `ray start`'s default --min-worker-port..--max-worker-port
 
 
-def check_ray_ports(port: int, dashboard_port: int) -> None:
-    """Refuse a head or dashboard port inside the range Ray hands its workers (the head starts, then fails to
-    come up after a long wait)."""
+def ray_ports(port: int | None, dashboard_port: int | None) -> tuple[int, int]:
+    """The head and dashboard ports (defaults for None); one inside the range Ray hands its workers is refused
+    (the head starts, then fails to come up after a long wait)."""
+    port, dashboard_port = port or DEFAULT_PORTS["ray"], dashboard_port or DEFAULT_PORTS["ray_dashboard"]
     for flag, value in (("--ray-port", port), ("--ray-dashboard-port", dashboard_port)):
         if value in RAY_WORKER_PORTS:
             raise ServiceError(
                 f"{flag} {value} lies in Ray's worker-port range {RAY_WORKER_PORTS.start}-{RAY_WORKER_PORTS.stop - 1}; "
                 "pick a port outside it"
             )
+    return port, dashboard_port
 
 
 def start_ray(
@@ -232,8 +234,7 @@ def start_ray(
     """A Ray head (`ray start --head --block`, so it is one process group that `stop` ends) bound to `host`,
     with token auth; the dashboard (Ray Jobs API) on `dashboard_port`."""
     check_bind("ray", host)
-    port, dashboard_port = port or DEFAULT_PORTS["ray"], dashboard_port or DEFAULT_PORTS["ray_dashboard"]
-    check_ray_ports(port, dashboard_port)
+    port, dashboard_port = ray_ports(port, dashboard_port)
     env, token = ray_env(state_dir, host)
     cmd = [
         _bin("ray"),
