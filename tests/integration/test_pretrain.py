@@ -30,10 +30,13 @@ from training.stages.pretrain import run_pretrain
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def pretrain_cli(output_dir: Path, *extra: str, workers: int | None = None) -> TrainedModel:
-    args = ["pretrain", "smoke", *with_sets(smoke_overrides(output_dir, *extra))]
-    if workers:
-        args += ["--workers", str(workers)]
+def pretrain(output_dir: Path, *extra: str, workers: int | None = None) -> TrainedModel:
+    """The smoke recipe trained by `lmforge pretrain` on `workers` Ray workers, or in this process with one worker
+    (the same function the command calls; a launch costs ~10 s of imports and startup here)."""
+    if not workers:
+        recipe = load_recipe("smoke", smoke_overrides(output_dir, *extra))
+        return run_pretrain(recipe.pretrain_spec(), run_tokenize(recipe.data, recipe.output_dir))
+    args = ["pretrain", "smoke", *with_sets(smoke_overrides(output_dir, *extra)), "--workers", str(workers)]
     result = cli(*args)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = next((output_dir / "pretrain").iterdir())
@@ -175,7 +178,7 @@ def uninterrupted(
     out: Path, golden: TrainedModel, settings: list[str], workers: int | None, like_golden: bool
 ) -> TrainedModel:
     """A 20-step run that learns, agrees with the golden curve (fp32 cases) and exports the engine's weights."""
-    run = pretrain_cli(out, *RESUME_STEPS, *settings, workers=workers)
+    run = pretrain(out, *RESUME_STEPS, *settings, workers=workers)
     curve = losses(Path(run.run_dir))
     assert sorted(curve) == list(range(1, 21))
     assert sum(curve[s] for s in (18, 19, 20)) < sum(curve[s] for s in (1, 2, 3)) - 0.6  # it learns
@@ -197,9 +200,9 @@ def test_two_workers_agree_with_one(golden_run: TrainedModel, tmp_path: Path) ->
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_exact_resume_after_sigkill(case: str, golden_run: TrainedModel, tmp_path: Path) -> None:
-    """After the uninterrupted run, a SIGKILL of the whole launch (driver, Ray, workers) right after a
-    checkpoint, and the same command: the run continues from that checkpoint into the same MLflow run and matches
-    the uninterrupted one bit for bit."""
+    """After the uninterrupted run, a SIGKILL of the whole `lmforge pretrain` launch (driver, Ray, workers) right
+    after a checkpoint, and the same run again: it continues from that checkpoint into the same MLflow run and
+    matches the uninterrupted one bit for bit. (The command's own rerun is the e2e kill-and-rerun's.)"""
     settings, workers, like_golden = RESUME_CASES[case]
     extra = [*RESUME_STEPS, *settings]
     straight = uninterrupted(tmp_path / "straight", golden_run, settings, workers, like_golden)
@@ -217,7 +220,7 @@ def test_exact_resume_after_sigkill(case: str, golden_run: TrainedModel, tmp_pat
     ckpt.prepare_staging(run_dir / "checkpoints", 200)
     (run_dir / "checkpoints" / "step-00000199").mkdir()
 
-    resumed = pretrain_cli(out, *extra, workers=workers)
+    resumed = pretrain(out, *extra, workers=workers)
     assert resumed.mlflow_run_id == first_run_id is not None  # the same MLflow run continues
     assert losses(Path(resumed.run_dir)) == curve  # every step, bit for bit
     # the rerun's own first step is the one after the checkpoint, with the uninterrupted run's loss

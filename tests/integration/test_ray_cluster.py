@@ -22,7 +22,7 @@ import pytest
 from infra import ray_jobs
 from infra.object_store import Store, open_store
 from infra.services import Running, free_port, start_mlflow, stop
-from tests.pretrain_helpers import clean_env, cli, logged_once, losses, smoke_overrides
+from tests.pretrain_helpers import GOLDEN, clean_env, cli, logged_once, losses, smoke_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RAY = str(Path(os.sys.executable).with_name("ray"))
@@ -91,7 +91,7 @@ def cluster(tmp_path_factory, s3):
     yield address, ml, {node.pid for node in nodes}
     stop(ml)
     for node in reversed(nodes):  # by process group: other Ray processes on the host are left alone
-        stop(node)
+        stop(node, timeout=2)  # a disposable cluster: no need to wait 10 s for a graceful exit
     ray.shutdown()
     for key, value in saved.items():
         if value is None:
@@ -118,11 +118,10 @@ def _alive_nodes(address: str) -> list[dict]:
 
 
 def _job_args(out: str) -> list[str]:
+    """The golden smoke run (20 steps, fp32) on 2 workers, one per node, checkpointing every 5 steps."""
     sets = smoke_overrides(
         out,
-        "train.max_steps=30",
-        "train.checkpoint_every=10",
-        "train.eval_every=30",
+        "train.checkpoint_every=5",
         "parallel.placement=strict_spread",
         "parallel.max_failures=1",
         "parallel.threads_per_worker=1",
@@ -175,16 +174,13 @@ def test_two_worker_job_survives_a_killed_worker(cluster, tmp_path):
     logs = ray_jobs.client(address).get_job_logs
     assert _wait(address, job) == "SUCCEEDED", logs(job)[-4000:]
 
-    straight = open_store("s3://lmforge/cluster-straight")
-    other = ray_jobs.submit(address, _job_args(straight.uri), env=env)
-    assert _wait(address, other) == "SUCCEEDED", logs(other)[-4000:]
-
+    # The undisturbed run is the golden curve: 2 workers x 1 micro-batch sum what 1 worker x 2 does in another
+    # order (~1e-6 relative, tests/integration/test_pretrain.py); a resume from the wrong data position or without
+    # the optimiser's state moves the loss by ~1e-2.
     a = _finished_run(killed, tmp_path / "killed")
-    b = _finished_run(straight, tmp_path / "straight")
-    assert a["step"] == b["step"] == 30
-    assert a["final_val_loss"] == b["final_val_loss"]
-    la, lb = losses(tmp_path / "killed"), losses(tmp_path / "straight")
-    assert la == lb  # every step's loss, including the ones redone after the restart
+    assert a["step"] == 20
+    la, golden = losses(tmp_path / "killed"), json.loads(GOLDEN.read_text())["losses"]
+    assert [la[s] for s in sorted(la)] == pytest.approx(golden, rel=1e-5)  # including the steps redone
     assert logged_once(tmp_path / "killed", resumed_from), "the restarted workers trained from scratch"
 
     # the workers ran one per node
@@ -197,15 +193,14 @@ def test_two_worker_job_survives_a_killed_worker(cluster, tmp_path):
     for actor in actors:
         by_job.setdefault(actor.job_id, []).append(actor.node_id)
     assert by_job and all(len(set(nodes)) == 2 for nodes in by_job.values()), by_job
-    # a restart happened: the killed job's worker group was replaced (2 + 2 workers), the other's was not
-    assert sorted(len(nodes) for nodes in by_job.values()) == [2, 4], by_job
+    # a restart happened: the killed job's worker group was replaced (2 + 2 workers)
+    assert [len(nodes) for nodes in by_job.values()] == [4], by_job
 
-    # both runs are in MLflow through the server
+    # the run is in MLflow through the server
     client = mlflow.MlflowClient(ml.url)
-    for manifest in (a, b):
-        run = client.get_run(manifest["mlflow_run_id"])
-        assert run.info.status == "FINISHED"
-        assert len(client.get_metric_history(run.info.run_id, "train/loss")) >= 30
+    run = client.get_run(a["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) >= 20
 
 
 def test_jobs_api_refuses_requests_without_the_token(cluster):
