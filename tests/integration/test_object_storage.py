@@ -1,7 +1,8 @@
-"""Stage outputs on object storage (a real S3-protocol server on 127.0.0.1): tokenize -> pretrain on 2 Ray
-workers -> SFT -> eval with `output_dir: s3://...`; a run killed after a checkpoint resumes on a node that never
-saw it (its local copy wiped) with exactly the undisturbed run's losses; a rerun is a no-op; a truncated or
-altered object is detected by its digest; bad storage settings end in one line (exit 2)."""
+"""Stage outputs on object storage (a real S3-protocol server on 127.0.0.1): tokenize -> pretrain -> SFT -> eval
+with `output_dir: s3://...`; an `lmforge pretrain` killed after a checkpoint resumes on a node that never saw it
+(its local copy wiped) with exactly the undisturbed run's losses; a rerun is a no-op; a truncated or altered object
+is detected by its digest; bad storage settings end in one line (exit 2). Pretraining runs one worker here (in the
+test's process where nothing is killed); 2 Ray workers on the store, one per node, are the two-node test's."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from infra.object_store import StorageError, open_store
 from tests.pretrain_helpers import (
     SMOKE_SETTINGS,
     clean_env,
-    cli,
     kill_when,
     lmforge_command,
     logged_once,
@@ -28,11 +28,11 @@ from tests.pretrain_helpers import (
     smoke_overrides,
     with_sets,
 )
+from training.stages.lifecycle import TrainedModel
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = [
     "train.checkpoint_every=10",
-    "parallel.world_size=2",
     "parallel.threads_per_worker=1",
     "tracking.enabled=false",  # MLflow with outputs on a store: the two-node test (tracking server)
     *SMOKE_SETTINGS,
@@ -51,8 +51,14 @@ def own_ray_instance(s3):
     ray.shutdown()
 
 
-def pretrain(uri: str) -> subprocess.CompletedProcess[str]:
-    return cli("pretrain", "smoke", *with_sets(smoke_overrides(uri, *STEPS)))
+def pretrain(uri: str) -> TrainedModel:
+    """The smoke run with its outputs at `uri`, trained (or resumed, or found finished) in this process."""
+    from data_pipeline.tokenize import run_tokenize
+    from flows.recipe import load_recipe
+    from training.stages.pretrain import run_pretrain
+
+    recipe = load_recipe("smoke", smoke_overrides(uri, *STEPS))
+    return run_pretrain(recipe.pretrain_spec(), run_tokenize(recipe.data, recipe.output_dir))
 
 
 def run_dir_of(uri: str) -> Path:
@@ -79,9 +85,8 @@ class Straight(NamedTuple):
 
 @pytest.fixture(scope="module")
 def straight(s3) -> Straight:
-    """The undisturbed 2-worker run, its outputs on the store."""
-    done = pretrain("s3://lmforge/straight")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    """The undisturbed run, its outputs on the store."""
+    pretrain("s3://lmforge/straight")
     run_dir = run_dir_of("s3://lmforge/straight")
     return Straight(run_dir, losses(run_dir))
 
@@ -139,15 +144,14 @@ def test_killed_run_resumes_on_another_node_exactly(s3, straight: Straight, tmp_
     kill_when(args, checkpointed, tmp_path / "killed.log")
     assert not any(k.startswith("pretrain/") and k.endswith("/manifest.json") for k in store.listing())
     gone(mirror.local_path(uri), tmp_path)  # the restart lands on a node that never saw the run
-    resumed = pretrain(uri)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    pretrain(uri)
     run_dir = run_dir_of(uri)
     assert losses(run_dir) == straight.losses  # every step, bit for bit
     assert logged_once(run_dir, 10), "steps before the checkpoint were trained twice: a restart"
 
     before = store.listing()
-    rerun = pretrain(uri)
-    assert rerun.returncode == 0 and store.listing() == before  # a no-op: nothing trained, nothing uploaded
+    pretrain(uri)
+    assert store.listing() == before  # a no-op: nothing trained, nothing uploaded
 
 
 def test_damaged_objects_are_detected_by_digest(s3, straight: Straight, caplog) -> None:
