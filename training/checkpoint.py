@@ -17,6 +17,7 @@ import re
 import shutil
 import threading
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,18 @@ def damage(checkpoint: Path) -> str | None:
         files = json.loads((checkpoint / COMPLETE).read_text()).get("files")
     except (OSError, ValueError) as error:
         return f"{checkpoint / COMPLETE}: unreadable ({error})"
-    return damaged_file(checkpoint, files) if files is not None else None  # None: written before checksums
+    return damaged_file(checkpoint, files) if files is not None else _incomplete_torch_file(checkpoint)
+
+
+def _incomplete_torch_file(checkpoint: Path) -> str | None:
+    """For a checkpoint written before checksums: its first torch file without the zip directory that ends every
+    complete one (what a cut-short copy or write leaves), else None. Altered bytes go unseen without checksums."""
+    for path in sorted(checkpoint.rglob("*.pt")):
+        if not zipfile.is_zipfile(path):
+            return (
+                f"{path}: truncated ({path.stat().st_size} bytes, no zip directory; written before checksums)"
+            )
+    return None
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -406,8 +406,11 @@ def resume(engine: Engine, train: Batches, setup: LoopSetup) -> LoopState:
     if setup.remote is not None:
         mirror.pull_unfinished(setup.remote, setup.run_dir, plain_files=setup.rank == 0)
     barrier()
-    latest = ckpt.latest_checkpoint(setup.run_dir / "checkpoints")
+    checkpoints = setup.run_dir / "checkpoints"
+    latest = ckpt.latest_checkpoint(checkpoints)
     if latest is None:
+        if ckpt.complete_checkpoints(checkpoints):  # each named in a warning above
+            log.warning("every checkpoint under %s is damaged: training restarts from step 0", checkpoints)
         return LoopState()
     engine.load(latest)
     rank_state = ckpt.load_rank_state(latest, setup.rank)

@@ -64,3 +64,38 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_intact_one(tmp_path: Path
     assert ckpt.damage(newest) == f"{newest / 'meta.json'}: missing"
     save(tmp_path, 20)  # resuming from step 10 saves step 20 again over the damaged one
     assert ckpt.latest_checkpoint(tmp_path) == newest and ckpt.damage(newest) is None
+
+
+def legacy(root: Path, step: int) -> Path:
+    """A checkpoint as lmforge wrote them before checksums: a torch file and a `COMPLETE` marker without digests."""
+    import json
+
+    import torch
+
+    staging = ckpt.prepare_staging(root, step)
+    torch.save({"step": step, "weights": torch.arange(4096.0)}, staging / "rank-0.pt")
+    final = ckpt.commit(root, step, {"step": step, "loop": {"step": step}}, keep=5)
+    (final / ckpt.COMPLETE).write_text(json.dumps({"step": step}))
+    return final
+
+
+def test_a_truncated_checkpoint_from_before_checksums_is_damaged_and_all_damaged_restarts_loudly(
+    tmp_path: Path, caplog
+) -> None:
+    from training.loop import LoopSetup, resume
+
+    root = tmp_path / "checkpoints"
+    good, newest = legacy(root, 10), legacy(root, 20)
+    assert ckpt.latest_checkpoint(root) == newest and ckpt.damage(good) is None
+    state = newest / "rank-0.pt"
+    state.write_bytes(state.read_bytes()[:1000])
+    assert (
+        ckpt.damage(newest) == f"{state}: truncated (1000 bytes, no zip directory; written before checksums)"
+    )
+    with caplog.at_level("WARNING"):
+        assert ckpt.latest_checkpoint(root) == good  # instead of torch's PytorchStreamReader traceback
+    (good / "rank-0.pt").write_bytes(b"")
+    setup = LoopSetup(run_dir=tmp_path, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
+    with caplog.at_level("WARNING"):
+        assert resume(None, None, setup).step == 0  # type: ignore[arg-type] - nothing is loaded
+    assert f"every checkpoint under {root} is damaged: training restarts from step 0" in caplog.text
