@@ -104,9 +104,11 @@ def print_review(recipe: Any, state: Path) -> None:
     if os.environ.get("PREFECT_API_URL"):
         print(f"  Prefect: {os.environ['PREFECT_API_URL'].removesuffix('/api')}/runs")
     else:
+        # the UI calls the API URL it was given (default :4200), so another port is changed in both places
         print(
-            f"  Prefect: PREFECT_HOME={(state / 'prefect').resolve()} {bin_dir / 'prefect'} server start --port 4200"
-            "   # then http://127.0.0.1:4200/runs (another --port moves both)"
+            f"  Prefect: PREFECT_HOME={(state / 'prefect').resolve()} PREFECT_SERVER_ANALYTICS_ENABLED=false"
+            f" PREFECT_UI_API_URL=http://127.0.0.1:4200/api {bin_dir / 'prefect'} server start --port 4200"
+            "   # then http://127.0.0.1:4200/runs (another port: change all three 4200s)"
         )
 
 

@@ -170,6 +170,8 @@ def test_review_commands_are_absolute_and_link_the_experiments_runs(
     assert f"http://127.0.0.1:5000/#/experiments/{experiment}/runs" in mlflow_line
     prefect_line = next(line for line in out.splitlines() if "Prefect:" in line)
     assert f"{Path(sys.executable).parent.resolve() / 'prefect'} server start --port 4200" in prefect_line
+    assert "PREFECT_UI_API_URL=http://127.0.0.1:4200/api" in prefect_line  # the UI calls this server's port
+    assert "PREFECT_SERVER_ANALYTICS_ENABLED=false" in prefect_line  # no telemetry errors offline
 
 
 def test_a_compressed_variant_given_as_a_run_is_named_as_such(
