@@ -38,12 +38,17 @@ class Direct:
         started = time.perf_counter()
         artifact = self.call(stage, recipe, inputs)
         self.times[stage.name] = time.perf_counter() - started
+        return artifact
+
+    def call(self, stage: StageDef[Any], recipe: Recipe, inputs: Inputs) -> Any:
+        """Run the stage and publish its headline numbers (inside the Prefect task, which the artifact joins)."""
+        artifact = self.run(stage, recipe, inputs)
         if stage.headline is not None:
             run_id = getattr(artifact, "mlflow_run_id", None)
             self.publish(stage.name, recipe, stage.headline(artifact), run_id)
         return artifact
 
-    def call(self, stage: StageDef[Any], recipe: Recipe, inputs: Inputs) -> Any:
+    def run(self, stage: StageDef[Any], recipe: Recipe, inputs: Inputs) -> Any:
         """Check the inputs (bad settings end in one line before any progress bar starts), then run."""
         if stage.check is not None:
             stage.check(recipe, inputs)

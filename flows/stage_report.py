@@ -12,8 +12,7 @@ def publish(stage: str, recipe: Any, numbers: dict[str, Any], mlflow_run_id: str
     """A markdown table of `numbers` plus the MLflow link, keyed `<recipe>-<stage>` (a valid artifact key)."""
     from prefect.artifacts import create_markdown_artifact
 
-    lines = [f"### {stage}", "", "| | |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in numbers.items()]
+    lines = [f"### {stage}", "", *table(numbers)]
     url = existing_run(recipe.tracking, recipe.output_dir, mlflow_run_id).url()
     if url:
         lines += ["", f"[MLflow run]({url})"]
@@ -27,7 +26,21 @@ def publish(stage: str, recipe: Any, numbers: dict[str, Any], mlflow_run_id: str
         create_markdown_artifact(markdown="\n".join(lines), key=key, description=f"{stage} headline numbers")
 
 
+def table(numbers: dict[str, Any]) -> list[str]:
+    """Markdown rows: `name | value`, or, when every value is a {column: number} mapping (a metric per model), one
+    column per key."""
+    if numbers and all(isinstance(v, dict) for v in numbers.values()):
+        columns = list(dict.fromkeys(c for v in numbers.values() for c in v))
+        rows = [f"| | {' | '.join(columns)} |", "|---" * (len(columns) + 1) + "|"]
+        return rows + [
+            f"| {k} | {' | '.join(_fmt(v.get(c, '')) for c in columns)} |" for k, v in numbers.items()
+        ]
+    return ["| | |", "|---|---|", *(f"| {k} | {_fmt(v)} |" for k, v in numbers.items())]
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())
     return str(value)

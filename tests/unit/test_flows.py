@@ -161,3 +161,21 @@ def test_a_ray_port_in_rays_worker_range_is_refused_before_anything_starts(tmp_p
     )
     assert "--ray-port 12345 lies in Ray's worker-port range 10002-19999" in capsys.readouterr().err
     assert not (tmp_path / "state" / "services.json").exists()  # nothing was started
+
+
+def test_artifact_tables_put_a_metric_per_model_in_columns_at_four_digits() -> None:
+    from flows.stage_report import table
+
+    assert table({"heldout/loss": {"pretrain": 2.8509123456789, "lora": 2.61}, "exact": {"lora": 0.25}}) == [
+        "| | pretrain | lora |",
+        "|---|---|---|",
+        "| heldout/loss | 2.851 | 2.61 |",
+        "| exact |  | 0.25 |",
+    ]
+    assert table({"val loss": 5.454821109771, "steps": 20, "gates": {"bpb": True}}) == [
+        "| | |",
+        "|---|---|",
+        "| val loss | 5.455 |",
+        "| steps | 20 |",
+        "| gates | bpb True |",
+    ]
