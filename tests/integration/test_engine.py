@@ -35,6 +35,14 @@ def engine_for(model: Transformer, *overrides: str):
     return build_engine(model, recipe.optim, recipe.parallel, recipe.train), recipe
 
 
+def test_a_zero3_engine_leaves_torch_linear_alone() -> None:
+    """DeepSpeed's ZeRO-3 can swap torch.nn.functional.linear for the rest of the process; lmforge runs stages one
+    after another in one process (`lmforge pipeline`), and torchao's quantized weights fail in the swapped one."""
+    linear = torch.nn.functional.linear
+    engine_for(Transformer(load_recipe("smoke").model), "parallel.zero_stage=3")
+    assert torch.nn.functional.linear is linear
+
+
 def run_steps(
     engine,
     recipe,

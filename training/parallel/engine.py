@@ -42,7 +42,10 @@ def deepspeed_config(parallel: ParallelConfig, optim: OptimConfig, train: TrainC
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.grad_accum_steps(parallel.world_size),
         "gradient_clipping": 0.0 if clips_itself(parallel) else optim.grad_clip,
-        "zero_optimization": {"stage": parallel.zero_stage},
+        # ZeRO-3's "memory-efficient linear" replaces torch.nn.functional.linear for the whole process and never
+        # puts it back: every later model in the process (a pipeline's SFT, compression's torchao tensors) ran
+        # through DeepSpeed's wrapper, which quantized weights cannot. `parallel.deepspeed` can turn it back on.
+        "zero_optimization": {"stage": parallel.zero_stage, "memory_efficient_linear": False},
         "bf16": {"enabled": parallel.precision == "bf16"},
         "fp16": {"enabled": parallel.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "steps_per_print": 10**12,
