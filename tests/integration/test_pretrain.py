@@ -14,7 +14,6 @@ from flows.recipe import load_recipe
 from tests.pretrain_helpers import (
     GOLDEN,
     MOE,
-    cli,
     continued,
     kill_after_checkpoint,
     logged_losses,
@@ -31,16 +30,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def pretrain(output_dir: Path, *extra: str, workers: int | None = None) -> TrainedModel:
-    """The smoke recipe trained by `lmforge pretrain` on `workers` Ray workers, or in this process with one worker
-    (the same function the command calls; a launch costs ~10 s of imports and startup here)."""
-    if not workers:
-        recipe = load_recipe("smoke", smoke_overrides(output_dir, *extra))
-        return run_pretrain(recipe.pretrain_spec(), run_tokenize(recipe.data, recipe.output_dir))
-    args = ["pretrain", "smoke", *with_sets(smoke_overrides(output_dir, *extra)), "--workers", str(workers)]
-    result = cli(*args)
-    assert result.returncode == 0, result.stderr[-4000:]
-    run_dir = next((output_dir / "pretrain").iterdir())
-    return TrainedModel.load(run_dir)
+    """The smoke recipe trained from this process (what `lmforge pretrain` calls; a launch costs ~10 s of imports
+    and startup here): one worker in the process, or `workers` Ray Train workers on this module's Ray instance."""
+    sets = [*extra, f"parallel.world_size={workers}"] if workers else list(extra)
+    recipe = load_recipe("smoke", smoke_overrides(output_dir, *sets))
+    return run_pretrain(recipe.pretrain_spec(), run_tokenize(recipe.data, recipe.output_dir))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_ray_instance():
+    """The multi-worker runs share the private Ray instance the first of them starts; none outlives the module."""
+    yield
+    import ray
+
+    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
