@@ -266,6 +266,7 @@ def test_muon_step_is_orthogonalised_at_its_learning_rate(
     engine, r = engine_for(Transformer(recipe.model), *sets)
     inner = getattr(engine.ds.optimizer, "optimizer", None) or engine.ds.optimizer
     assert type(inner).__name__ == "MuonWithAuxAdam"
+    assert type(inner.aux_optimizer) is torch.optim.AdamW  # not FusedAdam, a C++ op compiled on first use
     weight = dict(engine.module.named_parameters())[name]
     before = weight.detach().clone()
     optimizer_step(engine, FixedBatch(recipe.model.vocab_size), TokenCrossEntropy(), lr, 1)

@@ -102,7 +102,9 @@ def build_optimizer(
                 "μP's per-width learning rates need optim.name=adamw (DeepSpeed's Muon groups its own)"
             )
         params = {"lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
-        return BuiltByDeepSpeed({"type": "Muon", "params": params})
+        # torch_adam: the embedding, head and gains get torch's AdamW (as optim.name=adamw does) instead of
+        # DeepSpeed's FusedAdam, whose C++ op is compiled on first use (45-76 s on a 2-vCPU machine, per install)
+        return BuiltByDeepSpeed({"type": "Muon", "params": {**params, "torch_adam": True}})
     raise ValueError(f"optim.name={cfg.name!r} has no builder in training/optim/optimizers.py")
 
 
