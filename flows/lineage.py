@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from flows.recipe import Recipe
 
 
+# stages whose MLflow record is a lineage run of their own (they train nothing), by the `lmforge.stage` it is tagged
+# with: the rung completes the fit's record (prediction against measurement)
+RECORDED_AS = {"tokenize": "tokenize", "rung": "fit", "register": "register"}
+
+
 def flow_run_id() -> str:
     try:
         from prefect.runtime import flow_run

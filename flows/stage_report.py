@@ -5,14 +5,18 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from infra.tracking import existing_run
+from infra.tracking import existing_run, nested_run_id
 
 
 def publish(stage: str, recipe: Any, numbers: dict[str, Any], mlflow_run_id: str | None = None) -> None:
     """A markdown table of `numbers` plus the MLflow link, keyed `<recipe>-<stage>` (a valid artifact key)."""
     from prefect.artifacts import create_markdown_artifact
 
+    from flows.lineage import RECORDED_AS
+
     lines = [f"### {stage}", "", *table(numbers)]
+    if mlflow_run_id is None and stage in RECORDED_AS:
+        mlflow_run_id = nested_run_id(recipe.tracking, recipe.output_dir, RECORDED_AS[stage])
     url = existing_run(recipe.tracking, recipe.output_dir, mlflow_run_id).url()
     if url:
         lines += ["", f"[MLflow run]({url})"]

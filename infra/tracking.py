@@ -224,6 +224,19 @@ def existing_run(cfg: TrackingConfig, output_dir: str | Path, run_id: str | None
     return TrackedRun(uri=tracking_uri(cfg, output_dir), run_id=run_id)
 
 
+def nested_run_id(cfg: TrackingConfig, output_dir: str | Path, stage: str) -> str | None:
+    """The newest run tagged `lmforge.stage = stage` under `cfg.parent_run_id` (a stage's lineage record), if any."""
+    if not cfg.enabled or cfg.parent_run_id is None:
+        return None
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri(cfg, output_dir))
+    experiment = client.get_run(cfg.parent_run_id).info.experiment_id
+    where = f"tags.`lmforge.stage` = '{stage}' and tags.`mlflow.parentRunId` = '{cfg.parent_run_id}'"
+    runs = client.search_runs([experiment], where, order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
 def open_run(
     cfg: TrackingConfig,
     output_dir: str | Path,

@@ -247,6 +247,13 @@ def test_stage_artifacts_are_published_to_prefect(served_run):
 
     artifacts = asyncio.run(published())
     assert all(a.task_run_id is not None for a in artifacts)  # each on its stage's task run, not the flow run
+    # stages that train nothing link their lineage run; the evaluation's metric per model is a column per model
+    links = {a.key: "[MLflow run](" in a.data for a in artifacts}
+    assert all(links[f"smoke-{stage}"] for stage in ("tokenize", "rung", "register", "pretrain", "eval")), (
+        links
+    )
+    (evaluation,) = [a.data for a in artifacts if a.key == "smoke-eval"]
+    assert "| | pretrain | lora | dpo-full |" in evaluation, evaluation
     assert {a.key for a in artifacts} >= {
         "smoke-tokenize",
         "smoke-sweep",

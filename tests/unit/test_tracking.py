@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import mlflow
 
-from infra.tracking import TrackingConfig, open_run
+from infra.tracking import TrackingConfig, nested_run_id, open_run
 
 
 def test_buffered_metrics_arrive_on_flush(tmp_path):
@@ -36,4 +38,23 @@ def test_a_resumed_stage_moves_under_the_pipeline_run_that_finishes_it(tmp_path)
     tags = mlflow.MlflowClient(stage.uri).get_run(stage.run_id).data.tags
     assert (
         tags["mlflow.parentRunId"] == second.run_id and tags["lmforge.earlier_parent_run_id"] == first.run_id
+    )
+
+
+def test_a_stages_lineage_run_is_found_under_its_own_pipeline_run(tmp_path):
+    """What a Prefect artifact links to for a stage that trains nothing: its newest record under this pipeline."""
+    pipeline, other = (open_run(TrackingConfig(), tmp_path, name, {}) for name in ("pipeline", "other"))
+    cfg = TrackingConfig(parent_run_id=pipeline.run_id)
+    assert nested_run_id(cfg, tmp_path, "tokenize") is None
+    open_run(
+        TrackingConfig(parent_run_id=other.run_id), tmp_path, "tokenize-x", {"lmforge.stage": "tokenize"}
+    )
+    older = open_run(cfg, tmp_path, "tokenize-a", {"lmforge.stage": "tokenize"})
+    time.sleep(0.01)  # start times are in milliseconds
+    newer = open_run(cfg, tmp_path, "tokenize-b", {"lmforge.stage": "tokenize"})
+    open_run(cfg, tmp_path, "fit-a", {"lmforge.stage": "fit"})
+    assert older.run_id != newer.run_id
+    assert nested_run_id(cfg, tmp_path, "tokenize") == newer.run_id
+    assert (
+        nested_run_id(TrackingConfig(enabled=False, parent_run_id=pipeline.run_id), tmp_path, "fit") is None
     )
