@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -129,8 +131,8 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Start Prefect, MLflow and (unless --no-ray) a Ray head; each is recorded as soon as it is healthy, and a
-    failure stops the ones already started."""
+    """Start Prefect, MLflow and (unless --no-ray) a Ray head side by side; each is recorded as soon as it is
+    healthy, and a failure stops every one that started."""
     from infra.services import (
         ServiceError,
         check_bind,
@@ -163,16 +165,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     ]
     if not args.no_ray:
         starters.append(lambda: start_ray(state, args.host, args.ray_port, args.ray_dashboard_port))
-    running = []
-    try:
-        for start in starters:
-            running.append(start())
-            save_state(state, running)
-    except BaseException:
-        for started in running:
-            stop(started)
-        save_state(state, [])
-        raise
+    running: list[Any] = []
+    with ThreadPoolExecutor(len(starters)) as pool:  # they start side by side, each recorded once healthy
+        futures = [pool.submit(start) for start in starters]
+        try:
+            for future in as_completed(futures):
+                running.append(future.result())
+                save_state(state, running)
+        except BaseException:
+            for future in futures:  # let the others finish starting, then stop every one that did
+                with contextlib.suppress(BaseException):
+                    if (started := future.result()) not in running:
+                        running.append(started)
+            for started in running:
+                stop(started)
+            save_state(state, [])
+            raise
     urls = {r.name: r.url for r in running}
     print(json.dumps(urls, indent=2))
     print("\nPoint lmforge at them (then `lmforge serve` to get the Run buttons):")

@@ -179,3 +179,45 @@ def test_artifact_tables_put_a_metric_per_model_in_columns_at_four_digits() -> N
         "| steps | 20 |",
         "| gates | bpb True |",
     ]
+
+
+def test_up_starts_services_side_by_side_and_a_failure_stops_every_one_that_started(
+    tmp_path, capsys, monkeypatch
+):
+    """Prefect and MLflow (stand-ins: real processes of their own) come up while Ray fails after them: both are
+    stopped, nothing stays recorded, and the error is one line."""
+    import subprocess
+    import threading
+    import time
+
+    import psutil
+
+    from flows.cli import main
+    from infra import services
+
+    both_running = threading.Barrier(2, timeout=10)  # proves the two start at the same time
+    started: list[subprocess.Popen] = []
+
+    def fake(name: str):
+        def start(*args, **kwargs) -> services.Running:
+            proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+            started.append(proc)
+            both_running.wait()
+            return services.Running(
+                name, proc.pid, f"http://{name}", "", psutil.Process(proc.pid).create_time()
+            )
+
+        return start
+
+    def ray_fails(*args, **kwargs):
+        time.sleep(0.5)
+        raise services.ServiceError("ray: the process exited with 1; see ray.log")
+
+    monkeypatch.setattr(services, "start_prefect", fake("prefect"))
+    monkeypatch.setattr(services, "start_mlflow", fake("mlflow"))
+    monkeypatch.setattr(services, "start_ray", ray_fails)
+    state = tmp_path / "state"
+    assert main(["up", "--state-dir", str(state), "--outputs", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == "lmforge: error: ray: the process exited with 1; see ray.log"
+    assert len(started) == 2 and all(proc.wait(timeout=15) is not None for proc in started)  # both stopped
+    assert services.load_state(state) == []
