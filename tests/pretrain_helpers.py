@@ -10,8 +10,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from training.stages.lifecycle import TrainedModel
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "assets" / "corpus" / "stdlib_docstrings.jsonl"
@@ -31,6 +35,17 @@ def smoke_overrides(output_dir: Path | str, *extra: str) -> list[str]:
         f"output_dir={output_dir}",
         *extra,
     ]
+
+
+def pretrain_here(output_dir: Path | str, *extra: str) -> TrainedModel:
+    """The smoke recipe pretrained from this process, as `lmforge pretrain` would (trained, resumed or found
+    finished): a launch costs ~10 s of imports and startup, so tests launch only the runs they kill."""
+    from data_pipeline.tokenize import run_tokenize
+    from flows.recipe import load_recipe
+    from training.stages.pretrain import run_pretrain
+
+    recipe = load_recipe("smoke", smoke_overrides(output_dir, *extra))
+    return run_pretrain(recipe.pretrain_spec(), run_tokenize(recipe.data, recipe.output_dir))
 
 
 def clean_env() -> dict[str, str]:

@@ -25,10 +25,10 @@ from tests.pretrain_helpers import (
     lmforge_command,
     logged_once,
     losses,
+    pretrain_here,
     smoke_overrides,
     with_sets,
 )
-from training.stages.lifecycle import TrainedModel
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = [
@@ -49,16 +49,6 @@ def own_ray_instance(s3):
     ray.shutdown()
     yield
     ray.shutdown()
-
-
-def pretrain(uri: str) -> TrainedModel:
-    """The smoke run with its outputs at `uri`, trained (or resumed, or found finished) in this process."""
-    from data_pipeline.tokenize import run_tokenize
-    from flows.recipe import load_recipe
-    from training.stages.pretrain import run_pretrain
-
-    recipe = load_recipe("smoke", smoke_overrides(uri, *STEPS))
-    return run_pretrain(recipe.pretrain_spec(), run_tokenize(recipe.data, recipe.output_dir))
 
 
 def run_dir_of(uri: str) -> Path:
@@ -86,7 +76,7 @@ class Straight(NamedTuple):
 @pytest.fixture(scope="module")
 def straight(s3) -> Straight:
     """The undisturbed run, its outputs on the store."""
-    pretrain("s3://lmforge/straight")
+    pretrain_here("s3://lmforge/straight", *STEPS)
     run_dir = run_dir_of("s3://lmforge/straight")
     return Straight(run_dir, losses(run_dir))
 
@@ -144,13 +134,13 @@ def test_killed_run_resumes_on_another_node_exactly(s3, straight: Straight, tmp_
     kill_when(args, checkpointed, tmp_path / "killed.log")
     assert not any(k.startswith("pretrain/") and k.endswith("/manifest.json") for k in store.listing())
     gone(mirror.local_path(uri), tmp_path)  # the restart lands on a node that never saw the run
-    pretrain(uri)
+    pretrain_here(uri, *STEPS)
     run_dir = run_dir_of(uri)
     assert losses(run_dir) == straight.losses  # every step, bit for bit
     assert logged_once(run_dir, 10), "steps before the checkpoint were trained twice: a restart"
 
     before = store.listing()
-    pretrain(uri)
+    pretrain_here(uri, *STEPS)
     assert store.listing() == before  # a no-op: nothing trained, nothing uploaded
 
 

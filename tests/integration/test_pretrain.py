@@ -19,6 +19,7 @@ from tests.pretrain_helpers import (
     logged_losses,
     logged_once,
     losses,
+    pretrain_here,
     smoke_overrides,
     with_sets,
 )
@@ -30,11 +31,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def pretrain(output_dir: Path, *extra: str, workers: int | None = None) -> TrainedModel:
-    """The smoke recipe trained from this process (what `lmforge pretrain` calls; a launch costs ~10 s of imports
-    and startup here): one worker in the process, or `workers` Ray Train workers on this module's Ray instance."""
-    sets = [*extra, f"parallel.world_size={workers}"] if workers else list(extra)
-    recipe = load_recipe("smoke", smoke_overrides(output_dir, *sets))
-    return run_pretrain(recipe.pretrain_spec(), run_tokenize(recipe.data, recipe.output_dir))
+    """The smoke recipe trained from this process: one worker in the process, or `workers` Ray Train workers on
+    this module's Ray instance."""
+    return pretrain_here(output_dir, *extra, *([f"parallel.world_size={workers}"] if workers else []))
 
 
 @pytest.fixture(scope="module", autouse=True)
