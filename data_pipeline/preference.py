@@ -175,7 +175,7 @@ class PreferenceManifest(Artifact):
     def load(cls, directory: str | Path) -> PreferenceManifest:
         if not (Path(directory) / MANIFEST).is_file():
             raise DataError(f"{directory}: no {MANIFEST}; run `lmforge dpo` to build the preference pairs")
-        return cls.model_validate_json((Path(directory) / MANIFEST).read_text())
+        return cls.from_file(Path(directory) / MANIFEST)
 
 
 def run_preference_data(

@@ -155,7 +155,7 @@ class SFTManifest(Artifact):
         path = Path(directory) / MANIFEST
         if not path.is_file():
             raise DataError(f"{directory}: no {MANIFEST}; run `lmforge tokenize` to build the SFT examples")
-        return cls.model_validate_json(path.read_text())
+        return cls.from_file(path)
 
 
 def write_rows(path: Path, rows: list[list[np.ndarray]], names: list[str]) -> None:

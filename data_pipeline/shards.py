@@ -87,7 +87,7 @@ class DatasetManifest(Artifact):
             partial = any(directory.glob("*.arrow")) if directory.is_dir() else False
             hint = "an interrupted run: rerun `lmforge tokenize` to resume it" if partial else "not a dataset"
             raise DataError(f"{directory}: no {MANIFEST} ({hint})")
-        return cls.model_validate_json(path.read_text())
+        return cls.from_file(path)
 
     def digest(self) -> str:
         """The data itself: the tokenizer and every shard's sha256 (not where they live)."""

@@ -115,7 +115,7 @@ class ScalingFit(Artifact):
 
     @classmethod
     def read(cls, out_dir: str | Path) -> ScalingFit:
-        return cls.model_validate_json((Path(out_dir) / FIT_FILE).read_text())
+        return cls.from_file(Path(out_dir) / FIT_FILE)
 
     def to_law(self) -> Law:
         return Law(**{k: self.law[k] for k in LAW_KEYS})

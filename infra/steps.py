@@ -14,6 +14,7 @@ remote step is pulled, verified, and returned with local paths.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -61,6 +62,11 @@ class Artifact(BaseModel):
         mirror.pull_referenced(root_uri, self.model_dump(mode="json"), {self.uri: self.lazy_files})
 
     @classmethod
+    def from_file(cls, file: Path) -> Any:
+        """The manifest `file` as this kind, its paths rebased onto where its directory is now (`relocated`)."""
+        return cls.model_validate(relocated(json.loads(file.read_text()), file.parent))
+
+    @classmethod
     def _pull(cls, uri: str) -> Path:
         local = mirror.local_path(uri)
         if mirror.pull_finished(open_store(uri), local, cls.lazy_files) is None:
@@ -85,7 +91,7 @@ class Artifact(BaseModel):
                 f"{directory}: no {MANIFEST}, so it has not finished: rerun the command that started it (it resumes)"
             )
         try:
-            artifact = cls.model_validate_json(path.read_text())
+            artifact = cls.from_file(path)
         except ValueError as error:
             raise UserError(f"{path}: not a {cls.__name__} manifest ({str(error).splitlines()[0]})") from None
         if problem := artifact.damage():
@@ -94,6 +100,32 @@ class Artifact(BaseModel):
                 "intact checkpoint and rewrites what is damaged"
             )
         return artifact
+
+
+def relocated(manifest: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """`manifest`, written in a step directory that has since moved to `directory` (a copied or moved `outputs/`
+    tree), with every path into its old directory, or into its old output root (another stage's directory: a
+    dataset's tokenizer, a run's base model), rebased onto the new one; paths outside the root are left as they are.
+    So a copy reads and verifies its own files, never the original's."""
+    recorded = manifest.get("path")
+    here = directory.resolve()
+    if not recorded or Path(recorded) == here:
+        return manifest
+    moves = [(recorded, str(here)), (str(Path(recorded).parent.parent), str(here.parent.parent))]
+
+    def rebased(value: Any) -> Any:
+        if isinstance(value, str):
+            for old, new in moves:
+                if value == old or value.startswith(old + "/"):
+                    return new + value[len(old) :]
+            return value
+        if isinstance(value, dict):  # an artifact's `uri` names its object store, wherever the copy is
+            return {k: v if k == "uri" else rebased(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [rebased(v) for v in value]
+        return value
+
+    return rebased(manifest)
 
 
 A = TypeVar("A", bound=Artifact)
@@ -136,7 +168,7 @@ class Step(Generic[A]):
         manifest = self.directory(root) / MANIFEST
         if not manifest.is_file():
             return None
-        return self._intact(self.kind.model_validate_json(manifest.read_text()), root)
+        return self._intact(self.kind.from_file(manifest), root)
 
     def _finished_remote(self, root: str | Path) -> A | None:
         store = self.store(root)

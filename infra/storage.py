@@ -66,10 +66,15 @@ def remove_partial_files(directory: Path) -> list[Path]:
     return removed
 
 
-VERIFIED = (
-    ".verified.json"  # per directory: {relative path: [bytes, mtime_ns, sha256]} of files already checked
-)
-_verified: dict[tuple[str, int, int], str] = {}  # this process's checks, keyed by (path, bytes, mtime_ns)
+# per directory: {relative path: [bytes, mtime_ns, ctime_ns, sha256]} of files already checked. The inode's change
+# time is part of the key because no rewrite can keep it (a rewrite that restores the size and mtime, `touch -r`,
+# still moves it) and a copy gets its own, so a copy is verified on its own bytes.
+VERIFIED = ".verified.json"
+_verified: dict[tuple[str, int, int, int], str] = {}  # this process's checks, keyed like the file's entry
+
+
+def _stamp(path: Path, stat: os.stat_result) -> tuple[str, int, int, int]:
+    return (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 def file_records(
@@ -88,13 +93,13 @@ def file_records(
             record["sha256"] if record is not None and record["bytes"] == stat.st_size else sha256_file(path)
         )
         records[relative] = {"bytes": stat.st_size, "sha256": digest}
-        _verified[(str(path.resolve()), stat.st_size, stat.st_mtime_ns)] = digest  # just hashed: no re-check
+        _verified[_stamp(path, stat)] = digest  # just hashed: no re-check
     return records
 
 
 def damaged_file(directory: Path, records: dict[str, dict[str, Any]], force: bool = False) -> str | None:
     """The first file of `records` under `directory` that is missing or differs (one line: the path and what is
-    wrong), else None. Each file is hashed once per (path, size, mtime): checks are cached in this process and in
+    wrong), else None. Each file is hashed once per (path, size, mtime, ctime): checks are cached in this process and in
     `<directory>/.verified.json`, so a later run re-hashes only files that changed; `force` re-hashes all."""
     cache_path = directory / VERIFIED
     try:
@@ -110,8 +115,8 @@ def damaged_file(directory: Path, records: dict[str, dict[str, Any]], force: boo
             return f"{path}: missing"
         if stat.st_size != record["bytes"]:
             return f"{path}: {stat.st_size} bytes, {record['bytes']} when written (truncated or replaced)"
-        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-        seen = [stat.st_size, stat.st_mtime_ns, record["sha256"]]
+        key = _stamp(path, stat)
+        seen = [*key[1:], record["sha256"]]
         if not force and (_verified.get(key) == record["sha256"] or cache.get(relative) == seen):
             _verified[key] = record["sha256"]
             continue

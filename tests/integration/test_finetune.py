@@ -197,3 +197,24 @@ def test_lora_resume_after_sigkill_restores_the_dropout_rng(
     assert "sft/exact_match_after" in resumed.stdout  # the command prints the run's summary
     assert losses(run_dir) == losses(Path(straight.run_dir))  # every step, bit for bit
     assert logged_once(run_dir, done[-1]), "steps before the checkpoint were trained twice: a restart"
+
+
+def test_a_copied_output_tree_verifies_and_serves_its_own_run(smoke_lora, tmp_path: Path) -> None:
+    """A fine-tuned run read from a copy of `outputs/` names the copy's checkpoint, export, adapter and base run;
+    damage in the copy is found in the copy (before, the copy's manifest pointed at the original's files)."""
+    import shutil
+
+    from infra.errors import UserError
+
+    _, lora = smoke_lora
+    root = Path(lora.path).parent.parent
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("mlflow.db", "mlartifacts"))
+    where = copy / Path(lora.path).relative_to(root)
+    loaded = TrainedModel.load(where)
+    for path in (loaded.path, loaded.checkpoint, loaded.hf_export, loaded.adapter, loaded.base_run_dir):
+        assert Path(path).is_relative_to(copy.resolve()), path
+    (weights,) = Path(loaded.checkpoint).glob("*.pt")
+    weights.write_bytes(weights.read_bytes()[:-8] + b"bit-rot!")
+    with pytest.raises(UserError, match=r"copy/.* is damaged"):
+        TrainedModel.load(where)

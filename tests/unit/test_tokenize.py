@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -146,7 +147,8 @@ def test_truncated_shard_is_refused_by_name(tokenized: tuple[DatasetManifest, Pa
 
 
 def test_shard_overwritten_in_place_is_refused_before_training(tokenized, tmp_path: Path) -> None:
-    """Same size, different bytes, after an earlier run had verified the shard: the loader refuses by name."""
+    """Same size and modification time, different bytes, after an earlier run had verified the shard (bit rot, or a
+    rewrite that restored the time stamp): the loader refuses by name."""
     from data_pipeline.loader import PackedLoader
 
     manifest, _ = tokenized
@@ -164,7 +166,10 @@ def test_shard_overwritten_in_place_is_refused_before_training(tokenized, tmp_pa
     at = data.find(window)
     assert at > 0 and data.find(window, at + 1) == -1
     data[at : at + len(window)] = tokens[200:208].tobytes()  # other valid ids, size unchanged
+    written = shard.stat()
     shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(written.st_atime_ns, written.st_mtime_ns))
+    assert shard.stat().st_mtime_ns == written.st_mtime_ns
     changed = shard_tokens(shard)  # still a well-formed Arrow file: only the digest can tell
     assert len(changed) == len(tokens) and (changed != tokens).any()
     with pytest.raises(DataError, match=r"shard .*train-00001\.arrow: bytes differ from the sha256"):
@@ -218,3 +223,30 @@ def test_a_single_document_corpus_warns_that_validation_is_empty(tmp_path: Path,
         manifest = run_tokenize(cfg, tmp_path / "out")
     assert manifest.splits["val"].n_docs == 0
     assert "the validation split is empty (1 document(s), val_fraction=0.05)" in caplog.text
+
+
+def test_a_copied_or_moved_output_tree_reads_its_own_files(
+    small_data_cfg: DataConfig, tokenized, tmp_path
+) -> None:
+    """Manifests record absolute paths; read from a copy (or after a move) they point into the copy, so the copy's
+    shards and tokenizer are the ones loaded and verified, never the original's."""
+    from data_pipeline.loader import PackedLoader
+
+    manifest, root = tokenized
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    relative = Path(manifest.path).relative_to(root)
+    loaded = DatasetManifest.load(copy / relative)
+    found = run_tokenize(
+        small_data_cfg, copy, progress=lambda d, t: pytest.fail("re-tokenized a finished copy")
+    )
+    for read in (loaded, found):
+        assert Path(read.path) == (copy / relative).resolve()
+        assert Path(read.tokenizer.path).is_relative_to(copy.resolve())
+        assert read.digest() == manifest.digest()
+    moved = tmp_path / "moved"
+    copy.rename(moved)
+    shard = moved / relative / "train-00000.arrow"
+    shard.write_bytes(shard.read_bytes()[:100])  # damage in the moved tree is seen there
+    with pytest.raises(DataError, match=r"moved/.*train-00000\.arrow: 100 bytes"):
+        PackedLoader(DatasetManifest.load(moved / relative), seq_len=32, batch_size=2)
