@@ -158,7 +158,7 @@ def run_pipeline(params: PipelineBase) -> dict[str, Any]:
             on_data=lambda data: log_dataset(recipe, parent, data),
         )
     except BaseException:
-        finish_parent(parent, "FAILED", {})
+        parent.fail()
         raise
     wall = time.perf_counter() - t_start
     summary |= {

@@ -26,12 +26,19 @@ class UserError(Exception):
 
 
 def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and what it was raised from or during, outermost first, as a traceback shows them (`from None`
+    ends the chain)."""
     seen: list[BaseException] = []
     current: BaseException | None = error
     while current is not None and current not in seen:
         seen.append(current)
-        current = current.__cause__ or current.__context__
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
     return seen
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The first failure in `error`'s chain."""
+    return _chain(error)[-1]
 
 
 def expected_failure(error: BaseException) -> str | None:
@@ -41,9 +48,11 @@ def expected_failure(error: BaseException) -> str | None:
     for link in chain:
         if isinstance(link, UserError):
             return str(link)
-    for link in chain:
+    for link in reversed(chain):  # the first failure, not a later write that the full disk refused as well
         text = str(link).lower()
         first = str(link).splitlines()[0][:160] if str(link) else type(link).__name__
+        if isinstance(link, OSError) and link.strerror:  # without the file name, which `where` gives
+            first = f"[Errno {link.errno}] {link.strerror}"
         if (isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
             marker in text for marker in _DISK_FULL
         ):

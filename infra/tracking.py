@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from infra.errors import UserError
+from infra.errors import UserError, root_cause
 from infra.mirror import working_dir
 from infra.object_store import is_remote
 from infra.secrets import SECRET_NAME, redact, url_has_password
@@ -167,6 +167,18 @@ class TrackedRun(BaseModel):
 
             mlflow.MlflowClient(self.uri).set_terminated(self.run_id, status=status)
 
+    def fail(self) -> None:
+        """Mark the run FAILED while an error propagates: best effort and quiet, because that error is what the user
+        must see (a full disk refuses this write too, and MLflow's store would log it with a 140-line traceback)."""
+        store_log = logging.getLogger("mlflow.store.db.utils")
+        store_log.disabled = True
+        try:
+            self.finish("FAILED")
+        except Exception as error:  # noqa: BLE001 - the original error is re-raised by the caller
+            log.warning("could not mark MLflow run %s FAILED (%s)", self.run_id, root_cause(error))
+        finally:
+            store_log.disabled = False
+
     def set_tags(self, tags: dict[str, str]) -> None:
         if self.enabled:
             import mlflow
@@ -288,7 +300,7 @@ def tracked_run(
     try:
         yield run
     except BaseException:
-        run.finish("FAILED")
+        run.fail()
         raise
     run.finish()
 

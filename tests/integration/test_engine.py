@@ -28,6 +28,14 @@ def process_group() -> None:
     init_distributed()
 
 
+def test_the_process_group_skips_deepspeeds_inference_comm_op() -> None:
+    """DeepSpeed compiles its CPU shared-memory all-reduce op (~50 s of C++ per environment) when it starts a process
+    group, though only its inference all-reduce uses it; lmforge's process group has none."""
+    from deepspeed.comm import comm
+
+    assert comm.cdb is not None and comm.cdb.shm_comm_op is None
+
+
 def engine_for(model: Transformer, *overrides: str):
     from training.parallel import build_engine
 

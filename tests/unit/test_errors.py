@@ -38,6 +38,28 @@ def test_a_full_disk_is_one_line_naming_the_fix() -> None:
     assert line.startswith("torch could not write a checkpoint file") and "disk is full" in line
 
 
+@needs_dev_full
+def test_the_checkpoint_write_the_disk_refused_is_named_not_a_later_write(tmp_path: Path) -> None:
+    """A checkpoint file hits the full disk, then marking the MLflow run FAILED hits it too (SQLite): the line
+    names the checkpoint file, not SQLAlchemy's hint about the second failure."""
+    from training.parallel.checkpoint_writer import write_file
+
+    db = sqlite3.connect(tmp_path / "mlflow.db")
+    db.execute("pragma max_page_count=2")
+
+    def save_then_track() -> None:
+        try:
+            write_file({"w": torch.zeros(100_000)}, "/dev/full")
+        finally:
+            db.execute("create table t(x)")
+            db.execute("insert into t values (?)", ("a" * 100_000,))
+
+    line = expected_failure(_raised(save_then_track))
+    assert line.startswith("disk full writing /dev/full ([Errno 28] No space left on device): free space"), (
+        line
+    )
+
+
 def test_sqlite_out_of_space_is_a_full_disk(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / "mlflow.db")
     db.execute("pragma max_page_count=2")

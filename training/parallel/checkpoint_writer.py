@@ -14,8 +14,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,21 +41,37 @@ class HashingFile:
         self.bytes += len(data)
         if len(data) < self.PARALLEL_ABOVE:
             self.sha256.update(data)
-            return self.file.write(data)
+            with self.naming_errors():
+                return self.file.write(data)
         hashing = HASHER.submit(self.sha256.update, data)
-        written = self.file.write(data)
+        with self.naming_errors():
+            written = self.file.write(data)
         if hasattr(os, "posix_fadvise"):  # start writing these pages back now: the closing fsync waits less
             os.posix_fadvise(self.file.fileno(), self.bytes - len(data), len(data), os.POSIX_FADV_DONTNEED)
         hashing.result()
         return written
 
     def flush(self) -> None:
-        self.file.flush()
+        with self.naming_errors():
+            self.file.flush()
 
     def close(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        with self.naming_errors():
+            try:
+                self.file.flush()
+                os.fsync(self.file.fileno())
+            finally:
+                self.file.close()
+
+    @contextmanager
+    def naming_errors(self) -> Iterator[None]:
+        """OS errors that name this file: a full disk's says only "No space left on device"."""
+        try:
+            yield
+        except OSError as error:
+            if error.filename:
+                raise
+            raise OSError(error.errno, error.strerror, self.file.name) from None
 
 
 HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")

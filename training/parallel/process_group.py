@@ -7,6 +7,11 @@ import socket
 
 import torch
 
+# DeepSpeed's CPU shared-memory all-reduce op (ShareMemCommBuilder.NAME). Only DeepSpeed-inference's tensor-parallel
+# all-reduce uses it (training's collectives go through gloo), yet DeepSpeed compiles it whenever it starts a process
+# group on a CPU: ~50 s of C++ in every new environment (each fresh install, `make demo`, a CI run).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
 
 def accelerator() -> str:
     """'cuda' when a GPU is visible, else 'cpu'; exported as DS_ACCELERATOR before deepspeed is imported."""
@@ -30,4 +35,5 @@ def init_distributed() -> None:
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
         )
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False  # not built: see SHM_COMM_OP
     deepspeed.init_distributed(dist_backend=backend)
