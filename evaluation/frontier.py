@@ -87,7 +87,9 @@ def run_frontier(
 
 
 def generation_speed(model: Transformer, eos_id: int, tokens: int) -> float:
-    """Greedy tokens per second from a one-token prompt (no early stop), best of three runs."""
+    """Greedy tokens per second from a one-token prompt (no early stop), best of three runs; at most as many
+    tokens as the model's trained context holds after the prompt."""
+    tokens = min(tokens, model.cfg.max_seq_len - 1)
     best = 0.0
     for _ in range(3):
         t0 = time.perf_counter()

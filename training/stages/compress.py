@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.loader import PackedLoader
@@ -177,6 +178,12 @@ def run_compress(
     return run_step(spec.output_dir, step, lambda out, key: _compress(spec, base, data, out, progress))
 
 
+def expert_share(model: nn.Module) -> float:
+    """The fraction of `model`'s weights held by MoE experts (stacked tensors no variant method compresses)."""
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    return experts / sum(p.numel() for p in model.parameters())
+
+
 def _compress(
     spec: CompressSpec,
     base: TrainedModel,
@@ -187,6 +194,13 @@ def _compress(
     cfg = spec.compress
     export = Path(base.hf_export)
     model = load_export(export)
+    if share := expert_share(model):
+        log.warning(
+            "%s: the MoE experts (%.0f%% of the weights) stay in full precision: the variants compress the "
+            "attention and dense layers only",
+            spec.name,
+            100 * share,
+        )
     context = model.cfg.max_seq_len
     batches = calibration_batches(data, cfg.calibration, context)
     ids = torch.cat(batches).numpy().astype("int64").tobytes()
