@@ -42,7 +42,7 @@ def test_an_moe_model_is_evaluated_compressed_and_distilled(tmp_path: Path, capl
 
     with caplog.at_level("WARNING"):
         made = resolve("frontier", recipe, Quiet(), {"base": model})
-    variants, front = made.done["compress"], made.done["frontier"]
+    front = made.done["frontier"]
     assert [row["name"] for row in front.rows] == [
         "uncompressed",
         *(v.name for v in recipe.compress.variants),

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from pydantic import BaseModel, ConfigDict
+from torch import nn
 
 from data_pipeline.loader import PackedLoader
 from data_pipeline.shards import DatasetManifest
