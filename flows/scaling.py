@@ -160,7 +160,7 @@ def rung_size(recipe: Recipe) -> tuple[float, float]:
 
 def check_rung(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedModel) -> ScalingFit:
     """The rung's measured loss (and task loss) against the prediction made before it trained: a cached step
-    (`<output_dir>/rung/`, keyed by the fit and the model) with fit.json and the plots (logged to the rung's run),
+    (`<output_dir>/rung/`, keyed by the fit and the model) with fit.json and the plots (logged once, see below),
     `fit/rung_rel_error` and its companions logged to the sweep's, the rung's and the pipeline's runs."""
     if fit.rung is None or model.final_val_loss is None:
         return fit
@@ -189,9 +189,9 @@ def _check(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedMo
     for run_id in dict.fromkeys(r for r in (sweep.mlflow_run_id, model.mlflow_run_id, parent) if r):
         tracker = existing_run(recipe.tracking, recipe.output_dir, run_id).tracker()
         tracker.log_metrics(metrics, step=0)
-        if (
-            run_id == model.mlflow_run_id
-        ):  # the files once, beside the measurement (the sweep's run has the fit's)
+        # the checked fit's files once: in a pipeline its lineage run holds them (flows/lineage.record_fit), else
+        # the rung's run, beside the measurement (the sweep's run holds the fit as it was before the rung)
+        if run_id == model.mlflow_run_id and parent is None:
             for name in (FIT_FILE, *PLOTS):
                 tracker.log_artifact(out / name, "fit")
     return checked

@@ -89,7 +89,7 @@ def cluster(tmp_path_factory, s3):
     state = tmp_path_factory.mktemp("mlflow")
     ml = start_mlflow(state, f"sqlite:///{state / 'mlflow.db'}", state / "artifacts", port=free_port())
     yield address, ml, {node.pid for node in nodes}
-    stop(ml)
+    stop(ml, timeout=2)
     for node in reversed(nodes):  # by process group: other Ray processes on the host are left alone
         stop(node, timeout=2)  # a disposable cluster: no need to wait 10 s for a graceful exit
     ray.shutdown()
@@ -118,10 +118,12 @@ def _alive_nodes(address: str) -> list[dict]:
 
 
 def _job_args(out: str) -> list[str]:
-    """The golden smoke run (20 steps, fp32) on 2 workers, one per node, checkpointing every 5 steps."""
+    """The golden smoke run (20 steps, fp32) on 2 workers, one per node, with ZeRO-2 (optimiser state and
+    gradients partitioned over the two), checkpointing every 5 steps."""
     sets = smoke_overrides(
         out,
         "train.checkpoint_every=5",
+        "parallel.zero_stage=2",
         "parallel.placement=strict_spread",
         "parallel.max_failures=1",
         "parallel.threads_per_worker=1",
@@ -141,14 +143,15 @@ def _complete_steps(store: Store) -> list[int]:
     return sorted(int(k.split("/")[3][5:]) for k in store.listing() if k.endswith("/COMPLETE"))
 
 
-def _finished_run(store: Store, local: Path) -> dict:
-    """The finished pretraining run's manifest, its metrics.jsonl copied to `local`."""
+def _finished_run(store: Store, local: Path) -> tuple[dict, dict]:
+    """The finished pretraining run's manifest and its export's record; its metrics.jsonl copied to `local`."""
     (manifest,) = [k for k in store.listing() if k.startswith("pretrain/") and k.endswith("/manifest.json")]
     local.mkdir(parents=True)
     (local / "metrics.jsonl").write_bytes(
         store.read_bytes(manifest.replace("manifest.json", "metrics.jsonl"))
     )
-    return json.loads(store.read_bytes(manifest))
+    export = json.loads(store.read_bytes(manifest.replace("manifest.json", "hf/export.json")))
+    return json.loads(store.read_bytes(manifest)), export
 
 
 def test_two_worker_job_survives_a_killed_worker(cluster, tmp_path):
@@ -175,10 +178,11 @@ def test_two_worker_job_survives_a_killed_worker(cluster, tmp_path):
     assert _wait(address, job) == "SUCCEEDED", logs(job)[-4000:]
 
     # The undisturbed run is the golden curve: 2 workers x 1 micro-batch sum what 1 worker x 2 does in another
-    # order (~1e-6 relative, tests/integration/test_pretrain.py); a resume from the wrong data position or without
-    # the optimiser's state moves the loss by ~1e-2.
-    a = _finished_run(killed, tmp_path / "killed")
+    # order (~1e-6 relative), ZeRO-2 or not; a resume from the wrong data position or without the optimiser's
+    # state moves the loss by ~1e-2.
+    a, export = _finished_run(killed, tmp_path / "killed")
     assert a["step"] == 20
+    assert a["export_valid"] and export["engine_rel_diff"] <= 1e-5  # the gathered weights are the engine's
     la, golden = losses(tmp_path / "killed"), json.loads(GOLDEN.read_text())["losses"]
     assert [la[s] for s in sorted(la)] == pytest.approx(golden, rel=1e-5)  # including the steps redone
     assert logged_once(tmp_path / "killed", resumed_from), "the restarted workers trained from scratch"
