@@ -42,20 +42,23 @@ demo: bytecode
 	$(VENV)/bin/lmforge pipeline demo --dpo --distill --compress
 
 # Tests run in a random order (pytest-random-order: modules shuffled, and the tests inside each; the seed is printed
-# first and SEED=N repeats it), so no test can lean on another's leftovers. The slow suite runs in one process: run
-# side by side on pytest-xdist workers, its multi-process tests (pipelines, Ray, servers) were 2-4x slower here.
-# The two-node Ray cluster test runs last, in its own process (it needs the machine's CPUs to itself). The slowest
-# tests and the time per directory end each run. `make test-fast` (unit, parity, fast integration: what to run
-# before each commit) spreads its in-process tests over TEST_WORKERS xdist workers, a module per worker.
+# first and SEED=N repeats it), so no test can lean on another's leftovers. `make test-fast` (unit, parity, fast
+# integration: what to run before each commit) spreads its in-process tests over TEST_WORKERS xdist workers, a
+# module per worker (~45 s less than one process here: they wait on files and subprocesses too). `make test` runs
+# those the same way, then the slow suite in one process: run side by side on xdist workers, its multi-process
+# tests (pipelines, Ray, servers) were 2-4x slower here. The two-node Ray cluster test runs last, in its own
+# process (it needs the machine's CPUs to itself). The slowest tests and the time per directory end each run.
 TEST_WORKERS ?= 2
 SEED ?= $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
 PYTEST := $(PY) -m pytest -q -p random_order --random-order-bucket=module --random-order-seed=$(SEED)
+FAST := $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup tests -m "not slow"
 test: bytecode
-	$(PYTEST) --durations=15 tests --deselect tests/integration/test_ray_cluster.py
+	$(FAST) --durations=5
+	$(PYTEST) --durations=15 tests -m slow --deselect tests/integration/test_ray_cluster.py
 	$(PYTEST) --durations=5 tests/integration/test_ray_cluster.py
 
 test-fast: bytecode
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup tests -m "not slow"
+	$(FAST)
 
 bench: install
 	@for script in $(wildcard benchmarks/*.py); do $(PY) $$script || exit 1; done  # one JSON line each

@@ -30,6 +30,8 @@ EVAL = ["eval.max_documents=20", "eval.builtin_questions=20", "data.sft.max_exam
 # the served pipeline sweeps as the demo does: one WSD run per size with decay branches at the smaller budgets
 # (3 trials for the smoke recipe's 7 points)
 MULTI_HORIZON = ["sweep.multi_horizon=true", "optim.schedule=wsd"]
+# two variants (torchao's int8, lmforge's GPTQ) of the seven tests/integration/test_compress.py makes
+VARIANTS = "compress.variants=[{method: int8-weight}, {method: gptq, bits: 4, group_size: 4}]"
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,7 @@ def served_run(services, tmp_path_factory):
                 parameters={
                     "params": {
                         "recipe": "smoke",
-                        "overrides": smoke_overrides(out, *EVAL, *MULTI_HORIZON),
+                        "overrides": smoke_overrides(out, *EVAL, *MULTI_HORIZON, VARIANTS),
                         "dpo": True,
                         "distill": True,
                         "compress": True,
@@ -138,7 +140,9 @@ def test_mlflow_holds_the_lineage(served_run):
     assert {a.path for a in client.list_artifacts(children["fit"].info.run_id, "fit")} >= {"fit/fit.json"}
     sweep = children["sweep"]
     trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == sweep.info.run_id]
-    plans, _ = plan_trials(load_recipe("smoke", smoke_overrides(out, *EVAL, *MULTI_HORIZON)).sweep_spec())
+    plans, _ = plan_trials(
+        load_recipe("smoke", smoke_overrides(out, *EVAL, *MULTI_HORIZON, VARIANTS)).sweep_spec()
+    )
     assert len(plans) == 3 and len(trials) == len(plans)
     assert all(r.data.tags["prefect.flow_run_id"] == str(flow_run.id) for r in trials)
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {
@@ -203,7 +207,7 @@ def test_mlflow_holds_the_lineage(served_run):
     # under its own alias next to the tuned model
     compress = children["compress"]
     variant_runs = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == compress.info.run_id]
-    assert len(variant_runs) == 1 + len(load_recipe("smoke").compress.variants)
+    assert len(variant_runs) == 1 + 2  # the uncompressed reference and each variant
     (small,) = [v for v in versions if "lmforge.compression" in v.tags]
     assert "compressed" in small.aliases and small.tags["gate.export_verified"] == "true"
     assert version.tags["gate.export_verified"] == "true"
