@@ -25,6 +25,10 @@ class UserError(Exception):
     fix."""
 
 
+class Preempted(UserError):
+    """Training stopped on a signal after writing a checkpoint: the same command resumes from it."""
+
+
 def _chain(error: BaseException) -> list[BaseException]:
     """`error` and what it was raised from or during, outermost first, as a traceback shows them (`from None`
     ends the chain)."""

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from infra.errors import UserError, root_cause
+from infra.errors import Preempted, UserError, root_cause
 from infra.mirror import working_dir
 from infra.object_store import is_remote
 from infra.secrets import SECRET_NAME, redact, url_has_password
@@ -167,15 +167,16 @@ class TrackedRun(BaseModel):
 
             mlflow.MlflowClient(self.uri).set_terminated(self.run_id, status=status)
 
-    def fail(self) -> None:
-        """Mark the run FAILED while an error propagates: best effort and quiet, because that error is what the user
-        must see (a full disk refuses this write too, and MLflow's store would log it with a 140-line traceback)."""
+    def fail(self, status: str = "FAILED") -> None:
+        """Mark the run FAILED (or KILLED) while an error propagates: best effort and quiet, because that error is
+        what the user must see (a full disk refuses this write too, and MLflow's store would log it with a
+        140-line traceback)."""
         store_log = logging.getLogger("mlflow.store.db.utils")
         store_log.disabled = True
         try:
-            self.finish("FAILED")
+            self.finish(status)
         except Exception as error:  # noqa: BLE001 - the original error is re-raised by the caller
-            log.warning("could not mark MLflow run %s FAILED (%s)", self.run_id, root_cause(error))
+            log.warning("could not mark MLflow run %s %s (%s)", self.run_id, status, root_cause(error))
         finally:
             store_log.disabled = False
 
@@ -295,12 +296,13 @@ def tracked_run(
     tags: dict[str, str],
     resume_id: str | None = None,
 ) -> Iterator[TrackedRun]:
-    """`open_run` for the duration of a block: FINISHED when it returns, FAILED when it raises (then re-raised)."""
+    """`open_run` for the duration of a block: FINISHED when it returns, FAILED when it raises (KILLED when
+    preempted), the error re-raised."""
     run = open_run(cfg, output_dir, run_name, tags, resume_id)
     try:
         yield run
-    except BaseException:
-        run.fail()
+    except BaseException as error:
+        run.fail("KILLED" if isinstance(error, Preempted) else "FAILED")
         raise
     run.finish()
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from data_pipeline.loader import Batch
 from infra import mirror
+from infra.errors import Preempted
 from infra.object_store import Store
 from infra.tracking import Tracker
 from training import checkpoint as ckpt
@@ -38,6 +39,7 @@ from training.engine import Engine, loss_scale
 from training.model.moe import RouterStats
 from training.objective import Objective, TokenCrossEntropy
 from training.optim.optimizers import decay_start, lr_at
+from training.preemption import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -208,64 +210,77 @@ def train_loop(
         return metrics
 
     pending: PendingCheckpoint | None = None
-    while state.step < cfg.max_steps:
-        # --- eval
-        if val is not None and state.step % cfg.eval_every == 0:
-            log({"val/loss": evaluate(engine, val(), objective)}, state.step)
+    with stop_on_signals() as stop:
+        while state.step < cfg.max_steps:
+            # --- eval
+            if val is not None and state.step % cfg.eval_every == 0:
+                log({"val/loss": evaluate(engine, val(), objective)}, state.step)
 
-        # --- a decay branch to a shorter horizon, from the stable phase
-        horizon = branches.get(state.step)
-        if horizon is not None and horizon not in done:
-            if pending is not None:  # the branch saves and loads a snapshot of its own
-                finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
-                pending = None
-            metrics = decay_branch(engine, train, objective, optim, setup, state.step, horizon, evaluation)
-            log({**metrics, "horizon/steps": horizon, "horizon/tokens": horizon * tokens_per_step}, horizon)
-
-        # --- step
-        started = time.perf_counter()
-        lr = lr_at(state.step, optim, cfg.max_steps)
-        outcome = optimizer_step(engine, train, objective, lr, setup.world_size)
-        state.step += 1
-        state.tokens += tokens_per_step
-        elapsed = time.perf_counter() - started
-
-        # --- log
-        if outcome.loss is None:
-            state.skipped_steps += 1
-            state.consecutive_bad += 1
-            log({"train/skipped_steps": state.skipped_steps}, state.step)
-            if state.consecutive_bad >= cfg.max_bad_steps:
-                raise TrainingHalted(
-                    f"{state.consecutive_bad} consecutive steps had a non-finite loss (last at step {state.step}); "
-                    f"lower optim.lr or check the data; the last good checkpoint is {ckpt.latest_checkpoint(checkpoints)}"
+            # --- a decay branch to a shorter horizon, from the stable phase
+            horizon = branches.get(state.step)
+            if horizon is not None and horizon not in done:
+                if pending is not None:  # the branch saves and loads a snapshot of its own
+                    finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
+                    pending = None
+                metrics = decay_branch(
+                    engine, train, objective, optim, setup, state.step, horizon, evaluation
                 )
-        else:
-            state.consecutive_bad = 0
-            check_grad_norm(outcome.grad_norm, state.step, checkpoints)
-            tokens_per_s = tokens_per_step / elapsed
-            metrics = {
-                "train/loss": outcome.loss,
-                "train/lr": lr,
-                "train/grad_norm": outcome.grad_norm,
-                "perf/tokens_per_s": tokens_per_s,
-                "perf/mfu": setup.flops_per_token * tokens_per_s / (setup.peak_flops * setup.world_size),
-                "train/tokens": float(state.tokens),
-                **outcome.metrics,
-            }
-            log(metrics, state.step)
-            if setup.progress is not None and setup.rank == 0:
-                setup.progress(state.step, outcome.loss, tokens_per_s)
+                log(
+                    {**metrics, "horizon/steps": horizon, "horizon/tokens": horizon * tokens_per_step},
+                    horizon,
+                )
 
-        # --- checkpoint (with async_checkpoint the previous one is completed first, this one at the next)
-        if state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps:
-            tracker.flush()  # a resume from this checkpoint never re-logs what went before it: it must be sent
-            if pending is not None:
-                finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
-            pending = start_checkpoint(engine, train, setup, state)
-            if not cfg.async_checkpoint:
-                finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
-                pending = None
+            # --- step
+            started = time.perf_counter()
+            lr = lr_at(state.step, optim, cfg.max_steps)
+            outcome = optimizer_step(engine, train, objective, lr, setup.world_size)
+            state.step += 1
+            state.tokens += tokens_per_step
+            elapsed = time.perf_counter() - started
+
+            # --- log
+            if outcome.loss is None:
+                state.skipped_steps += 1
+                state.consecutive_bad += 1
+                log({"train/skipped_steps": state.skipped_steps}, state.step)
+                if state.consecutive_bad >= cfg.max_bad_steps:
+                    raise TrainingHalted(
+                        f"{state.consecutive_bad} consecutive steps had a non-finite loss (last at step {state.step}); "
+                        f"lower optim.lr or check the data; the last good checkpoint is {ckpt.latest_checkpoint(checkpoints)}"
+                    )
+            else:
+                state.consecutive_bad = 0
+                check_grad_norm(outcome.grad_norm, state.step, checkpoints)
+                tokens_per_s = tokens_per_step / elapsed
+                metrics = {
+                    "train/loss": outcome.loss,
+                    "train/lr": lr,
+                    "train/grad_norm": outcome.grad_norm,
+                    "perf/tokens_per_s": tokens_per_s,
+                    "perf/mfu": setup.flops_per_token * tokens_per_s / (setup.peak_flops * setup.world_size),
+                    "train/tokens": float(state.tokens),
+                    **outcome.metrics,
+                }
+                log(metrics, state.step)
+                if setup.progress is not None and setup.rank == 0:
+                    setup.progress(state.step, outcome.loss, tokens_per_s)
+
+            # --- checkpoint (with async_checkpoint the previous one is completed first, this one at the next);
+            # a stop request (SIGTERM, SIGINT) checkpoints now, waits for it, and ends the run
+            stopping = stop.signal is not None
+            if state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps or stopping:
+                tracker.flush()  # a resume from this checkpoint never re-logs what went before it: it must be sent
+                if pending is not None:
+                    finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
+                pending = start_checkpoint(engine, train, setup, state)
+                if not cfg.async_checkpoint or stopping:
+                    written = finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
+                    pending = None
+                if stopping:
+                    raise Preempted(
+                        f"{stop.signal} at step {state.step}: training stopped after writing the checkpoint "
+                        f"{written}; rerun the same command to resume from it"
+                    )
 
     if pending is not None:
         finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)

@@ -298,3 +298,50 @@ def test_a_full_disk_names_the_checkpoint_write_in_one_line(small_disk: Path, ca
     assert done and all(
         ckpt.damage(path) is None for _, path in ckpt.complete_checkpoints(run_dir / "checkpoints")
     )
+
+
+def test_sigterm_checkpoints_the_current_step_and_the_rerun_continues(tmp_path: Path) -> None:
+    """What a scheduler does before it kills: SIGTERM to `lmforge pretrain` mid-run (no periodic checkpoint due).
+    It ends within a minute in one line (exit 2), with a complete checkpoint at the step it stopped after and its
+    MLflow run KILLED; the rerun continues from there and ends where an uninterrupted run does, bit for bit."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import mlflow
+
+    from tests.pretrain_helpers import clean_env, lmforge_command
+
+    extra = ["train.max_steps=60", "train.checkpoint_every=1000", "train.eval_every=1000"]
+    out = tmp_path / "stopped"
+    args = lmforge_command("pretrain", "smoke", *with_sets(smoke_overrides(out, *extra)))
+    launch = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env()
+    )
+    deadline = time.monotonic() + 300
+    while not any(step >= 3 for step, _ in _logged(out)):
+        assert launch.poll() is None and time.monotonic() < deadline, launch.communicate()
+        time.sleep(0.01)
+    os.kill(launch.pid, signal.SIGTERM)
+    sent = time.monotonic()
+    _, stderr = launch.communicate(timeout=120)
+    assert time.monotonic() - sent < 60 and launch.returncode == 2, stderr[-3000:]
+    (line,) = [x for x in stderr.splitlines() if x.startswith("lmforge:")]
+    (run_dir,) = (out / "pretrain").iterdir()
+    stopped_at = max(step for step, _ in logged_losses(run_dir))
+    assert 3 <= stopped_at < 60
+    assert f"SIGTERM at step {stopped_at}: training stopped after writing the checkpoint" in line
+    assert [s for s, _ in ckpt.complete_checkpoints(run_dir / "checkpoints")] == [stopped_at]
+    run_id = ckpt.read_meta(ckpt.latest_checkpoint(run_dir / "checkpoints"))["mlflow_run_id"]
+    assert mlflow.MlflowClient(f"sqlite:///{out / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
+
+    resumed = pretrain_here(out, *extra)
+    straight = pretrain_here(tmp_path / "straight", *extra)
+    assert resumed.mlflow_run_id == run_id and logged_once(run_dir, stopped_at)
+    assert losses(run_dir) == losses(Path(straight.run_dir))
+
+
+def _logged(out: Path) -> list[tuple[int, float]]:
+    runs = list((out / "pretrain").glob("*/metrics.jsonl")) if (out / "pretrain").is_dir() else []
+    return logged_losses(runs[0].parent) if runs else []

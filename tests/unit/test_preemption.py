@@ -1,0 +1,36 @@
+"""Preemption signals while training: the first SIGTERM/SIGINT is a request the loop acts on at the end of its
+step; a second one stops at once; the process's handlers come back afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from training.preemption import stop_on_signals
+
+
+def test_the_first_signal_asks_the_second_stops_and_handlers_come_back() -> None:
+    before = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    with stop_on_signals() as stop:
+        assert stop.signal is None
+        os.kill(os.getpid(), signal.SIGTERM)  # handled in this (main) thread before the next line runs
+        assert stop.signal == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):  # asked again (Ctrl-C): the previous handler, at once
+            os.kill(os.getpid(), signal.SIGINT)
+    assert {number: signal.getsignal(number) for number in before} == before
+
+
+def test_outside_the_main_thread_nothing_is_installed() -> None:
+    seen = []
+
+    def worker() -> None:  # as Ray Train runs a worker's loop
+        with stop_on_signals() as stop:
+            seen.append((stop.signal, signal.getsignal(signal.SIGTERM)))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [(None, signal.getsignal(signal.SIGTERM))]
