@@ -199,6 +199,19 @@ class DPOConfig(BaseModel):
     eval_pairs: PositiveInt = 256  # held-out pairs scored before and after
 
 
+class RewardModelConfig(BaseModel):
+    """The reward model (the recipe's `reward_model:` section): the fine-tuned (or pretrained) model's decoder with
+    a scalar head, trained on the preference pairs with the Bradley–Terry loss; `centring` adds TRL's
+    `center_rewards_coefficient`·mean((r_chosen + r_rejected)²), which keeps the rewards near zero."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    centring: float = Field(0.0, ge=0.0)
+    optim: OptimConfig = OptimConfig(lr=1e-4, warmup_steps=5, weight_decay=0.0, schedule="cosine")
+    train: TrainConfig = TrainConfig(seq_len=128, max_steps=100, eval_every=50, checkpoint_every=50)
+    eval_pairs: PositiveInt = 256  # held-out pairs scored after training
+
+
 class DistillConfig(BaseModel):
     """Knowledge distillation (the recipe's `distill:` section): a student, given as changes to the recipe's
     model (typically a smaller depth), learns from a frozen teacher with α·CE + (1-α)·T²·KL(teacher‖student) on
@@ -379,6 +392,12 @@ class DPOSpec(DPOConfig, TrainingSpec):
     """What preference tuning receives: the recipe's `dpo:` section plus the run's context."""
 
     KEY: ClassVar[set[str]] = {"method", "lora", "loss", "optim", "train", "eval_pairs"}
+
+
+class RewardModelSpec(RewardModelConfig, TrainingSpec):
+    """What reward modelling receives: the recipe's `reward_model:` section plus the run's context."""
+
+    KEY: ClassVar[set[str]] = {"centring", "optim", "train", "eval_pairs"}
 
 
 class DistillSpec(DistillConfig, TrainingSpec):

@@ -196,6 +196,20 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.cfg = cfg
+
+    def forward(self, tokens: Tensor, cache: list[Cache] | None = None) -> tuple[Tensor, list[RouterStats]]:
+        """tokens (B, T) -> the final norm's output (B, T, C) and each MoE layer's router statistics."""
+        start = cache[0].length if cache else 0
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rope_theta)
+        x = self.embed_tokens(tokens)  # (B, T, C)
+        stats: list[RouterStats] = []
+        for i, layer in enumerate(self.layers):
+            x, layer_stats = layer(x, rope, cache[i] if cache else None)
+            if layer_stats is not None:
+                stats.append(layer_stats)
+        return self.norm(x), stats
 
 
 @dataclass
@@ -253,16 +267,8 @@ class Transformer(nn.Module):
         self, tokens: Tensor, targets: Tensor | None = None, cache: list[Cache] | None = None
     ) -> ModelOutput:
         """tokens (B, T); targets (B, T) with IGNORE_INDEX where no loss; cache for incremental decoding."""
-        start = cache[0].length if cache else 0
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rope_theta)
-        x = self.model.embed_tokens(tokens)  # (B, T, C)
-        stats: list[RouterStats] = []
-        for i, layer in enumerate(self.model.layers):
-            x, layer_stats = layer(x, rope, cache[i] if cache else None)
-            if layer_stats is not None:
-                stats.append(layer_stats)
-        logits = self.lm_head(self.model.norm(x))  # (B, T, V)
+        hidden, stats = self.model(tokens, cache)
+        logits = self.lm_head(hidden)  # (B, T, V)
         if self.cfg.output_mult != 1.0:
             logits = logits * self.cfg.output_mult
         aux = self.router_loss(stats)

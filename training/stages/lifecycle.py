@@ -46,7 +46,7 @@ class TrainedModel(Artifact):
     """A finished training run: final checkpoint, verified Hugging Face export, headline numbers. `path` is the run
     directory; `kind` says what the model is."""
 
-    kind: Literal["pretrain", "sft-full", "lora", "dpo-full", "dpo-lora", "distill"]
+    kind: Literal["pretrain", "sft-full", "lora", "dpo-full", "dpo-lora", "distill", "reward"]
     checkpoint: str
     hf_export: str
     export_valid: bool

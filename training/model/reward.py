@@ -1,0 +1,109 @@
+"""A reward model: a language model's decoder with a scalar head, read at each row's last non-pad token (the rule
+transformers' `LlamaForSequenceClassification` applies, so its export scores the same), and the Bradley–Terry
+loss over (chosen, rejected) rows as TRL's `RewardTrainer` defines it (optional margin and reward centring)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from infra.storage import file_records
+from training.model.export import TOLERANCE, copy_tokenizer_files, fresh_staging, publish_export
+from training.model.hf_interop import hf_config_kwargs, to_hf_state_dict
+from training.model.transformer import ModelOutput, Transformer
+
+
+class RewardModel(nn.Module):
+    """tokens (B, T) -> rewards as `ModelOutput.logits` (B, 1); rows are right-padded with `pad_id`."""
+
+    def __init__(self, lm: Transformer, pad_id: int, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = lm.cfg
+        self.pad_id = pad_id
+        self.model = lm.model  # the decoder and its weights; the LM head is dropped
+        self.score = nn.Linear(lm.cfg.d_model, 1, bias=False)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            values = torch.empty(self.score.weight.shape).normal_(0.0, lm.cfg.init_std, generator=generator)
+            self.score.weight.copy_(values)
+
+    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> ModelOutput:
+        hidden, stats = self.model(tokens)
+        last = last_token(tokens, self.pad_id)
+        rewards = self.score(hidden[torch.arange(tokens.shape[0], device=tokens.device), last])  # (B, 1)
+        aux = Transformer.router_loss(self, stats)  # type: ignore[arg-type] - reads only cfg
+        return ModelOutput(logits=rewards, aux_loss=aux, router_stats=stats)
+
+
+def last_token(tokens: Tensor, pad_id: int) -> Tensor:
+    """Each row's last non-pad position (transformers: the argmax of position x non-pad)."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    return (positions * (tokens != pad_id)).argmax(-1)
+
+
+def bradley_terry(
+    chosen: Tensor, rejected: Tensor, margin: Tensor | None = None, centring: float = 0.0
+) -> Tensor:
+    """−log σ(r_chosen − r_rejected − margin), averaged, plus `centring`·mean((r_chosen + r_rejected)²) (TRL's
+    `center_rewards_coefficient`, Eisenstein et al. 2023), which keeps rewards near zero."""
+    delta = chosen - rejected - (margin if margin is not None else 0.0)
+    loss = -F.logsigmoid(delta).mean()
+    if centring:
+        loss = loss + centring * torch.mean((chosen + rejected) ** 2)
+    return loss
+
+
+def probe_rows(cfg_vocab: int, pad_id: int, length: int, seed: int = 0) -> Tensor:
+    """Two right-padded rows of random ids (pad excluded) that end at different positions: what an export must
+    score as the model does."""
+    ids = torch.randint(0, cfg_vocab, (2, length), generator=torch.Generator().manual_seed(seed))
+    ids[ids == pad_id] = (pad_id + 1) % cfg_vocab
+    ids[1, length // 2 :] = pad_id
+    return ids
+
+
+def export_reward_model(model: RewardModel, tokenizer_dir: Path, out: Path) -> dict:
+    """A Hugging Face sequence-classification model (`LlamaForSequenceClassification` or Mixtral's, one label,
+    the tokenizer's pad id), verified: transformers' scores of probe rows equal ours (max |diff| ≤ TOLERANCE)."""
+    from transformers import (
+        AutoModelForSequenceClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        MixtralConfig,
+        MixtralForSequenceClassification,
+    )
+
+    cfg = model.cfg
+    model_type, kwargs = hf_config_kwargs(cfg)
+    config_cls, model_cls = (
+        (LlamaConfig, LlamaForSequenceClassification)
+        if model_type == "llama"
+        else (MixtralConfig, MixtralForSequenceClassification)
+    )
+    config = config_cls(**kwargs, num_labels=1, pad_token_id=model.pad_id)
+    config._attn_implementation = "eager"
+    hf_model = model_cls(config)
+    # the logit multiplier belongs to the LM head, which a reward model does not have
+    state = to_hf_state_dict(model.state_dict(), cfg.model_copy(update={"output_mult": 1.0}))
+    hf_model.load_state_dict(state, strict=True)
+    staging = fresh_staging(out)
+    hf_model.save_pretrained(str(staging), safe_serialization=True)
+    copy_tokenizer_files(tokenizer_dir, staging, cfg.max_seq_len)
+    loaded = AutoModelForSequenceClassification.from_pretrained(
+        str(staging), dtype=torch.float32, attn_implementation="eager"
+    )
+    rows = probe_rows(cfg.vocab_size, model.pad_id, min(32, cfg.max_seq_len))
+    with torch.no_grad():
+        difference = float((model.eval()(rows).logits - loaded.eval()(input_ids=rows).logits).abs().max())
+    verification = {
+        "max_abs_logit_diff": difference,
+        "tolerance": TOLERANCE,
+        "valid": difference <= TOLERANCE,
+        "architecture": type(loaded).__name__,
+        "layout": "huggingface",
+        "files": file_records(staging),
+    }
+    return publish_export(staging, out, verification)
