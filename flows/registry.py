@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from flows.stage_def import Inputs, Need, StageDef, Toggle
-from flows.stages import compress, distill, dpo, evaluate, pretrain, scaling, sft, tokenize
+from flows.stages import compress, distill, dpo, evaluate, pretrain, reward_model, scaling, sft, tokenize
 
 if TYPE_CHECKING:
     from flows.recipe import Recipe
@@ -33,6 +33,7 @@ STAGES: dict[str, StageDef[Any]] = {
         dpo.PREFERENCE_DATA,
         dpo.REFERENCE_LOGPS,
         dpo.DPO,
+        reward_model.REWARD_MODEL,
         distill.DISTILL,
         distill.STUDENT_BASELINE,
         evaluate.EVAL,
