@@ -19,7 +19,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -64,6 +64,8 @@ class LoopState:
     tokens: int = 0
     skipped_steps: int = 0
     consecutive_bad: int = 0
+    spikes: int = 0
+    recent_losses: list[float] = field(default_factory=list)  # the last `train.spike_window` accepted steps'
 
 
 @dataclass(frozen=True)
@@ -128,22 +130,42 @@ def evaluate(engine: Engine, batches: Iterator[Batch], objective: Objective) -> 
 
 @dataclass
 class StepOutcome:
-    """One optimiser step: its global mean loss (None when skipped), gradient norm and extra metrics."""
+    """One optimiser step: its global mean loss (None when skipped), gradient norm and extra metrics; `spike` is
+    the loss of the micro-batch that made it a skipped spike."""
 
     loss: float | None
     grad_norm: float
     metrics: dict[str, float]
+    spike: float | None = None
+
+
+def spike_limit(recent: list[float], cfg: TrainConfig) -> float | None:
+    """The loss above which a micro-batch is a spike: the recent accepted steps' mean plus `spike_sigmas` standard
+    deviations, and at least `spike_min_rise` above the mean (OLMo-core's skip-step rule, with a floor for flat
+    curves); None while fewer than half of `spike_window` steps are known, or with `spike_window` 0."""
+    if cfg.spike_window == 0 or len(recent) < max(2, cfg.spike_window // 2):
+        return None
+    window = torch.tensor(recent[-cfg.spike_window :], dtype=torch.float64)
+    mean, std = float(window.mean()), float(window.std(correction=0))
+    return max(mean + cfg.spike_sigmas * std, mean * (1 + cfg.spike_min_rise))
 
 
 def optimizer_step(
-    engine: Engine, train: Batches, objective: Objective, lr: float, world_size: int
+    engine: Engine,
+    train: Batches,
+    objective: Objective,
+    lr: float,
+    world_size: int,
+    spike_above: float | None = None,
 ) -> StepOutcome:
-    """Draw `accumulation_steps` micro-batches, back-propagate each at its share of the global units, step."""
+    """Draw `accumulation_steps` micro-batches, back-propagate each at its share of the global units, step. A
+    micro-batch whose loss (its mean over the ranks) exceeds `spike_above` is not back-propagated and the step is
+    taken at learning rate 0, as for a non-finite loss."""
     accumulation = engine.accumulation_steps
     micro_batches = [train.next_batch() for _ in range(accumulation)]
     counts = [objective.units(batch) for batch in micro_batches]
     n_global = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.float64, device=engine.device)))
-    losses, bad = [], False
+    losses, bad, spike = [], False, None
     stats: list[RouterStats] = []
     extra: dict[str, list[Tensor]] = {}
     for batch, n in zip(micro_batches, counts, strict=True):
@@ -152,6 +174,10 @@ def optimizer_step(
         weighted = outcome.loss * weight if n else zero_loss(engine.module)
         loss = weighted + outcome.aux_loss
         finite = all_reduce_mean(torch.isfinite(loss.detach()).float().to(engine.device)) == 1.0
+        if finite and spike_above is not None and n:
+            mean = float(all_reduce_mean(outcome.loss.detach().float().to(engine.device)))
+            if mean > spike_above:
+                finite, spike = False, mean
         if finite:
             engine.backward(loss)
             losses.append(weighted.detach().float())
@@ -164,7 +190,7 @@ def optimizer_step(
     # the step happens either way (ranks stay in lockstep); at learning rate 0 it moves no weight
     grad_norm = engine.step(0.0 if bad else lr)
     if bad:
-        return StepOutcome(None, grad_norm, {})
+        return StepOutcome(None, grad_norm, {}, spike)
     metrics = {
         **router_metrics(stats),
         **{name: float(all_reduce_mean(torch.stack(values).mean())) for name, values in extra.items()},
@@ -233,7 +259,8 @@ def train_loop(
             # --- step
             started = time.perf_counter()
             lr = lr_at(state.step, optim, cfg.max_steps)
-            outcome = optimizer_step(engine, train, objective, lr, setup.world_size)
+            limit = spike_limit(state.recent_losses, cfg)
+            outcome = optimizer_step(engine, train, objective, lr, setup.world_size, limit)
             state.step += 1
             state.tokens += tokens_per_step
             elapsed = time.perf_counter() - started
@@ -242,14 +269,25 @@ def train_loop(
             if outcome.loss is None:
                 state.skipped_steps += 1
                 state.consecutive_bad += 1
-                log({"train/skipped_steps": state.skipped_steps}, state.step)
+                skipped = {"train/skipped_steps": state.skipped_steps}
+                if outcome.spike is not None:
+                    state.spikes += 1
+                    skipped |= {"train/spikes": state.spikes, "train/spike_loss": outcome.spike}
+                    log_spike(state.step, outcome.spike, limit, cfg.spike_window, train, setup.rank)
+                log(skipped, state.step)
                 if state.consecutive_bad >= cfg.max_bad_steps:
+                    what = "a loss spike" if outcome.spike is not None else "a non-finite loss"
                     raise TrainingHalted(
-                        f"{state.consecutive_bad} consecutive steps had a non-finite loss (last at step {state.step}); "
-                        f"lower optim.lr or check the data; the last good checkpoint is {ckpt.latest_checkpoint(checkpoints)}"
+                        f"{state.consecutive_bad} consecutive steps were skipped (the last for {what}, at step "
+                        f"{state.step}); lower optim.lr or check the data (a lasting rise is not a spike: raise "
+                        f"train.spike_sigmas or set train.spike_window=0); the last good checkpoint is "
+                        f"{ckpt.latest_checkpoint(checkpoints)}"
                     )
             else:
                 state.consecutive_bad = 0
+                state.recent_losses = (
+                    [*state.recent_losses, outcome.loss][-cfg.spike_window :] if cfg.spike_window else []
+                )
                 check_grad_norm(outcome.grad_norm, state.step, checkpoints)
                 tokens_per_s = tokens_per_step / elapsed
                 metrics = {
@@ -288,6 +326,19 @@ def train_loop(
     if final:
         log(final, state.step)
     return state
+
+
+def log_spike(step: int, loss: float, limit: float | None, window: int, train: Batches, rank: int) -> None:
+    """One line naming the skipped step, its loss against the limit, and where the loader was (the batch)."""
+    if rank == 0:
+        log.warning(
+            "step %d skipped: a micro-batch's loss %.4f is a spike (limit %.4f from the last %d steps); loader at %s",
+            step,
+            loss,
+            limit,
+            window,
+            train.state_dict(),
+        )
 
 
 def check_grad_norm(grad_norm: float, step: int, checkpoints: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from training.engine import PlainEngine, loss_scale
 from training.loop import LoopSetup, LoopState, train_loop
 from training.model.config import ModelConfig
 from training.model.transformer import Transformer
-from training.objective import Outcome
+from training.objective import Outcome, TokenCrossEntropy
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=16)
 
@@ -306,3 +307,64 @@ def test_a_remote_checkpoint_is_marked_complete_only_after_its_files(tmp_path: P
         deletes = [w for w in writes if w.startswith(f"delete checkpoints/step-{step:08d}/")]
         assert len(deletes) >= 4 and deletes[0].endswith("/COMPLETE"), deletes
     assert store.listing("checkpoints").keys() >= {"step-00000006/COMPLETE", "step-00000006/engine.pt"}
+
+
+class SpikeAt:
+    """Cross-entropy, ten times too large on the given calls (a corrupted batch)."""
+
+    def __init__(self, poisoned: set[int]) -> None:
+        self.poisoned, self.calls, self.inner = poisoned, 0, TokenCrossEntropy()
+
+    def units(self, batch: Batch) -> int:
+        return self.inner.units(batch)
+
+    def __call__(self, engine: PlainEngine, batch: Batch) -> Outcome:
+        self.calls += 1
+        out = self.inner(engine, batch)
+        return Outcome(out.loss * 10, out.aux_loss) if self.calls in self.poisoned else out
+
+
+def spiky_run(tmp_path: Path, poisoned: set[int], steps: int, **train: Any) -> tuple[PlainEngine, LoopState]:
+    """SGD on one repeated batch (a smoothly falling loss) with the loss spiking on the `poisoned` calls."""
+    generator = torch.Generator().manual_seed(0)
+    batch = Batch(
+        torch.randint(0, 64, (2, 8), generator=generator), torch.randint(0, 64, (2, 8), generator=generator)
+    )
+    model = Transformer(CFG, seed=1)
+    engine = PlainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_clip=0.0)
+    optim = OptimConfig(lr=0.1, warmup_steps=0, schedule="constant", grad_clip=0.0)
+    settings = {"spike_window": 10, **train}
+    cfg = TrainConfig(seq_len=8, micro_batch_size=2, max_steps=steps, checkpoint_every=1000, **settings)
+    tmp_path.mkdir(parents=True)
+    setup = LoopSetup(run_dir=tmp_path, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
+    state = train_loop(
+        engine, Fixed([batch] * steps), None, cfg, optim, setup, NullTracker(), LoopState(), SpikeAt(poisoned)
+    )
+    return engine, state
+
+
+def test_a_loss_spike_is_skipped_and_logged(tmp_path: Path, caplog) -> None:
+    """A corrupted batch at step 12 (10x the loss): no update, one log line naming the step, counted in MLflow's
+    metrics; the same batch with the detector off moves the weights. Too many in a row stop the run."""
+    from training.loop import TrainingHalted
+
+    before, _ = spiky_run(tmp_path / "before", set(), 11)
+    with caplog.at_level("WARNING"):
+        after, state = spiky_run(tmp_path / "after", {12}, 12)
+    assert all(
+        torch.equal(a, b) for a, b in zip(before.module.parameters(), after.module.parameters(), strict=True)
+    )
+    assert (
+        state.spikes == 1
+        and state.skipped_steps == 1
+        and "step 12 skipped: a micro-batch's loss" in caplog.text
+    )
+    records = [json.loads(line) for line in (tmp_path / "after" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/spikes" in r] == [12]
+    assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 12))
+    off, _ = spiky_run(tmp_path / "off", {12}, 12, spike_window=0)
+    assert not all(
+        torch.equal(a, b) for a, b in zip(before.module.parameters(), off.module.parameters(), strict=True)
+    )
+    with pytest.raises(TrainingHalted, match=r"3 consecutive steps were skipped \(the last for a loss spike"):
+        spiky_run(tmp_path / "halted", {12, 13, 14}, 14, max_bad_steps=3)
