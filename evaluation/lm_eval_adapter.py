@@ -92,10 +92,13 @@ def run_lm_eval(
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    manager = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
+    if manager is None or not set(tasks) <= set(manager.all_tasks):  # lm-eval's own tasks too: ~9 s to index
+        manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     results = simple_evaluate(
         model=LmforgeLM(em, batch_size=batch_size),
         tasks=tasks,
-        task_manager=TaskManager(include_path=include_path) if include_path else TaskManager(),
+        task_manager=manager,
         limit=limit,
         log_samples=False,
         random_seed=0,

@@ -161,7 +161,7 @@ def test_lm_eval_harness_runs_a_local_task_and_agrees_with_ours(trained, tmp_pat
         model="hf",
         model_args=f"pretrained={export},dtype=float32,device=cpu",
         tasks=["lmforge_stdlib_mc", "lmforge_report_mc"],
-        task_manager=TaskManager(include_path=str(tmp_path)),
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
         batch_size=8,
         log_samples=True,
     )
