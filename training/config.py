@@ -135,6 +135,10 @@ class TrainConfig(BaseModel):
     spike_window: NonNegativeInt = 50
     spike_sigmas: PositiveFloat = 6.0
     spike_min_rise: NonNegativeFloat = 0.25
+    # hangs: a step running longer than max(hang_min_seconds, hang_factor x the median step) ends the attempt with
+    # every thread's stack in <run>/hang-rank<r>.txt (training/watchdog.py); hang_factor 0 turns it off
+    hang_factor: NonNegativeFloat = 20.0
+    hang_min_seconds: PositiveFloat = 600.0
     peak_flops: PositiveFloat | None = (
         None  # per device, for perf/mfu; None: published GPU peak or measured GEMM
     )

@@ -40,6 +40,7 @@ from training.model.moe import RouterStats
 from training.objective import Objective, TokenCrossEntropy
 from training.optim.optimizers import decay_start, lr_at
 from training.preemption import stop_on_signals
+from training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +237,7 @@ def train_loop(
         return metrics
 
     pending: PendingCheckpoint | None = None
+    watchdog = Watchdog(setup.run_dir, setup.rank, cfg.hang_factor, cfg.hang_min_seconds)
     with stop_on_signals() as stop:
         while state.step < cfg.max_steps:
             # --- eval
@@ -260,10 +262,12 @@ def train_loop(
             started = time.perf_counter()
             lr = lr_at(state.step, optim, cfg.max_steps)
             limit = spike_limit(state.recent_losses, cfg)
+            watchdog.arm(state.step + 1)
             outcome = optimizer_step(engine, train, objective, lr, setup.world_size, limit)
+            elapsed = time.perf_counter() - started
+            watchdog.disarm(elapsed)
             state.step += 1
             state.tokens += tokens_per_step
-            elapsed = time.perf_counter() - started
 
             # --- log
             if outcome.loss is None:

@@ -1,0 +1,59 @@
+"""Hang detection: a step that runs far longer than the steps before it (a rank stuck in a collective, a dead
+file system) is a hang. The watchdog writes the stacks of every thread of this rank to `<run>/hang-rank<r>.txt`,
+says so in one line on stderr, and ends the process (exit code 3), so the launch fails and Ray Train (with
+`parallel.max_failures`) or the rerun resumes from the last complete checkpoint instead of waiting forever."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import statistics
+import sys
+import threading
+from pathlib import Path
+
+EXIT_HUNG = 3
+WARMUP_STEPS = 3  # the first steps compile and fill caches: they neither arm the watchdog nor set its pace
+
+
+class Watchdog:
+    """Arm before a step, disarm after it; the limit is max(`min_seconds`, `factor` x the median recent step)."""
+
+    def __init__(self, run_dir: Path, rank: int, factor: float, min_seconds: float) -> None:
+        self.path = run_dir / f"hang-rank{rank}.txt"
+        self.factor, self.min_seconds = factor, min_seconds
+        self.seconds: list[float] = []
+        self.timer: threading.Timer | None = None
+
+    def limit(self) -> float | None:
+        if self.factor == 0 or len(self.seconds) < WARMUP_STEPS:
+            return None
+        return max(self.min_seconds, self.factor * statistics.median(self.seconds[-50:]))
+
+    def arm(self, step: int) -> None:
+        limit = self.limit()
+        if limit is not None:
+            self.timer = threading.Timer(limit, self._hung, (step, limit))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def disarm(self, seconds: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.seconds.append(seconds)
+
+    def _hung(self, step: int, limit: float) -> None:
+        with self.path.open("a") as out:
+            out.write(f"step {step} still running after {limit:.1f} s; every thread's stack:\n")
+            out.flush()
+            faulthandler.dump_traceback(file=out, all_threads=True)
+        median = statistics.median(self.seconds[-50:])
+        print(
+            f"lmforge: step {step} hung: still running after {limit:.1f} s (the median step took {median:.2f} s); "
+            f"stacks in {self.path}; the attempt ends so it resumes from the last checkpoint "
+            "(train.hang_factor=0 turns this off)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_HUNG)
