@@ -24,13 +24,12 @@ from data_pipeline.loader import IGNORE_INDEX, SampledLoader
 from data_pipeline.preference import PairBatch, PreferenceLoader, PreferenceManifest
 from data_pipeline.sources import DataError
 from infra.steps import Artifact, Step, run_step
-from infra.storage import MANIFEST, atomic_write_bytes, atomic_write_json
+from infra.storage import atomic_write_bytes, atomic_write_json
 from infra.tracking import Tracker
 from training.config import DPOSpec, PreferenceLoss
 from training.engine import Engine
 from training.loop import Batches
-from training.model.config import ModelConfig
-from training.model.hf_interop import load_export, load_hf_config
+from training.model.hf_interop import load_export
 from training.model.lora import apply_lora
 from training.model.transformer import Transformer
 from training.objective import Outcome
@@ -38,11 +37,10 @@ from training.stages.lifecycle import (
     Progress,
     TrainedModel,
     TrainingJob,
-    TrainingStage,
     run_training_stage,
     val_losses,
 )
-from training.stages.tuning import check_examples, export_tuned
+from training.stages.tuning import TunedOnPairs, check_examples, export_tuned
 
 REFERENCE_VERSION = 1
 
@@ -205,7 +203,7 @@ def policy_model(base: TrainedModel, spec: DPOSpec) -> nn.Module:
     return apply_lora(model, spec.lora) if spec.method == "lora" else model
 
 
-class Preference(TrainingStage):
+class Preference(TunedOnPairs):
     name = "dpo"
     version = 1
 
@@ -232,20 +230,7 @@ class Preference(TrainingStage):
         return f"{spec.name}-{spec.loss.type}-{spec.method}"
 
     def tags(self, spec: DPOSpec, inputs: Mapping[str, Artifact]) -> dict[str, str]:
-        base = inputs["base"]
-        return {
-            "lmforge.method": spec.method,
-            "lmforge.loss": spec.loss.type,
-            "lmforge.base_run_id": str(base.mlflow_run_id),
-            "lmforge.base_run_dir": base.path,
-            "lmforge.data_digest": inputs["data"].digest(),
-        }
-
-    def log_inputs(self, inputs: Mapping[str, Artifact], tracker: Tracker) -> None:
-        tracker.log_artifact(Path(inputs["data"].path) / MANIFEST, "data")
-
-    def model_config(self, job: TrainingJob) -> ModelConfig:
-        return load_hf_config(job.inputs["base"].hf_export)
+        return {**super().tags(spec, inputs), "lmforge.method": spec.method, "lmforge.loss": spec.loss.type}
 
     def build_model(self, job: TrainingJob) -> nn.Module:
         return policy_model(job.inputs["base"], job.spec)

@@ -21,13 +21,12 @@ from torch import nn
 from data_pipeline.loader import SampledLoader
 from data_pipeline.preference import PairBatch, PreferenceLoader, PreferenceManifest
 from infra.steps import Artifact
-from infra.storage import MANIFEST, atomic_write_json
+from infra.storage import atomic_write_json
 from infra.tracking import Tracker
 from training.config import RewardModelSpec
 from training.engine import Engine
 from training.loop import Batches
-from training.model.config import ModelConfig
-from training.model.hf_interop import load_export, load_hf_config
+from training.model.hf_interop import load_export
 from training.model.reward import RewardModel, bradley_terry, export_reward_model
 from training.objective import Outcome
 from training.stages.dpo import sequence_logps
@@ -35,12 +34,11 @@ from training.stages.lifecycle import (
     Progress,
     TrainedModel,
     TrainingJob,
-    TrainingStage,
     run_training_stage,
     trained_model,
     val_losses,
 )
-from training.stages.tuning import check_examples
+from training.stages.tuning import TunedOnPairs, check_examples
 
 
 @dataclass(frozen=True)
@@ -94,7 +92,7 @@ def heldout_scores(
     }
 
 
-class RewardModelling(TrainingStage):
+class RewardModelling(TunedOnPairs):
     name = "reward_model"
     version = 1
 
@@ -103,20 +101,6 @@ class RewardModelling(TrainingStage):
 
     def run_name(self, spec: RewardModelSpec) -> str:
         return f"{spec.name}-reward"
-
-    def tags(self, spec: RewardModelSpec, inputs: Mapping[str, Artifact]) -> dict[str, str]:
-        base = inputs["base"]
-        return {
-            "lmforge.base_run_id": str(base.mlflow_run_id),
-            "lmforge.base_run_dir": base.path,
-            "lmforge.data_digest": inputs["data"].digest(),
-        }
-
-    def log_inputs(self, inputs: Mapping[str, Artifact], tracker: Tracker) -> None:
-        tracker.log_artifact(Path(inputs["data"].path) / MANIFEST, "data")
-
-    def model_config(self, job: TrainingJob) -> ModelConfig:
-        return load_hf_config(job.inputs["base"].hf_export)
 
     def build_model(self, job: TrainingJob) -> nn.Module:
         return reward_model(job.inputs["base"], job.inputs["data"].pad_id)

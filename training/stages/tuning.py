@@ -3,19 +3,22 @@ model's verified export (merged weights, plus the PEFT adapter for LoRA) with it
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from data_pipeline.sources import DataError
 from infra.steps import Artifact
+from infra.storage import MANIFEST
 from infra.tracking import Tracker
 from training.config import LoraSettings
+from training.model.config import ModelConfig
 from training.model.export import export_hf
-from training.model.hf_interop import query_fold
+from training.model.hf_interop import load_hf_config, query_fold
 from training.model.lora import apply_lora, merged_state_dict, save_adapter, trainable_counts
 from training.model.transformer import Transformer
-from training.stages.lifecycle import TrainedModel, TrainingJob, trained_model
+from training.stages.lifecycle import TrainedModel, TrainingJob, TrainingStage, trained_model
 
 
 def check_examples(base: TrainedModel, data: Artifact, seq_len: int, what: str, section: str) -> None:
@@ -30,6 +33,26 @@ def check_examples(base: TrainedModel, data: Artifact, seq_len: int, what: str, 
             f"the {what} has seq_len={data.seq_len}, {section}.train.seq_len={seq_len}; rebuild it with the "
             f"{section} sequence length"
         )
+
+
+class TunedOnPairs(TrainingStage):
+    """A stage that starts from a finished run (`inputs["base"]`) and trains on its preference pairs
+    (`inputs["data"]`), as DPO and the reward model do: their run tags, the data manifest they log, the base's
+    model config."""
+
+    def tags(self, spec: Any, inputs: Mapping[str, Artifact]) -> dict[str, str]:
+        base = inputs["base"]
+        return {
+            "lmforge.base_run_id": str(base.mlflow_run_id),
+            "lmforge.base_run_dir": base.path,
+            "lmforge.data_digest": inputs["data"].digest(),
+        }
+
+    def log_inputs(self, inputs: Mapping[str, Artifact], tracker: Tracker) -> None:
+        tracker.log_artifact(Path(inputs["data"].path) / MANIFEST, "data")
+
+    def model_config(self, job: TrainingJob) -> ModelConfig:
+        return load_hf_config(job.inputs["base"].hf_export)
 
 
 @dataclass
