@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from training.stages.lifecycle import TrainedModel
 
 BASE = ("sft", "pretrain")  # the fine-tuned model when there is one
+GIVEN_BASE = Given(
+    "base",
+    "base",
+    load_model,
+    "a fine-tuned (or pretrained) run directory (default: this recipe's, trained if missing)",
+)
 
 
 def preference_data(recipe: Recipe, base: TrainedModel) -> PreferenceManifest:
@@ -110,12 +116,7 @@ DPO: StageDef[TrainedModel] = StageDef(
         "DPO on preference pairs after fine-tuning (dpo.loss: sigmoid, ipo, hinge, sigmoid_norm); the registry then "
         "gates the DPO model against the fine-tuned one",
     ),
-    given=Given(
-        "base",
-        "base",
-        load_model,
-        "a fine-tuned (or pretrained) run directory (default: this recipe's, trained if missing)",
-    ),
+    given=GIVEN_BASE,
     tags=("gpu",),
     preflight=check_pairs,
 )

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flows.stage_def import Given, Inputs, StageDef, Toggle
-from flows.stages.dpo import BASE, check_pairs
-from flows.stages.runs import load_model
+from flows.stage_def import Inputs, StageDef, Toggle
+from flows.stages.dpo import BASE, GIVEN_BASE, check_pairs
 from training.config import RewardModelConfig, RewardModelSpec
 
 if TYPE_CHECKING:
@@ -51,12 +50,7 @@ REWARD_MODEL: StageDef[TrainedModel] = StageDef(
         "a scalar-head model trained with the Bradley-Terry loss on the preference pairs (the one an RL stage "
         "optimises against), exported as a Hugging Face sequence-classification model",
     ),
-    given=Given(
-        "base",
-        "base",
-        load_model,
-        "a fine-tuned (or pretrained) run directory (default: this recipe's, trained if missing)",
-    ),
+    given=GIVEN_BASE,
     tags=("gpu",),
     preflight=check_pairs,
 )
