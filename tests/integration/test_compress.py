@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -160,13 +161,11 @@ def test_bad_input_is_refused_in_one_line(compress_run, tmp_path: Path) -> None:
         result = cli("compress", "smoke", "--base", tuned.path, *sets, *extra)
         assert result.returncode == 2, result.stderr[-2000:]
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
-    no_export = tmp_path / "run"
-    no_export.mkdir()
-    manifest = json.loads((Path(tuned.path) / "manifest.json").read_text())
-    (no_export / "manifest.json").write_text(json.dumps({**manifest, "hf_export": str(tmp_path / "gone")}))
+    no_export = tmp_path / "run"  # a copy of the run without its export (a copy reads its own files)
+    shutil.copytree(tuned.path, no_export, ignore=shutil.ignore_patterns("hf"))
     result = cli("compress", "smoke", "--base", str(no_export), *sets)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "gone" in result.stderr
+    assert f"{no_export}/hf" in result.stderr
 
 
 @pytest.fixture(scope="module")
