@@ -7,7 +7,7 @@ runs alternate, `--repeats` times each, and each run's wall time per step (loggi
 the repeats).
 `overhead` = guarded / unguarded - 1 (goal <= 0.01).
 
-    .venv/bin/python benchmarks/step_guards.py [--steps 80] [--repeats 3]
+    .venv/bin/python benchmarks/step_guards.py [--steps 200] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def median_step(guarded: bool, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
     on, off = [], []

@@ -10,6 +10,7 @@ import os
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 
 EXIT_HUNG = 3
@@ -17,13 +18,16 @@ WARMUP_STEPS = 3  # the first steps compile and fill caches: they neither arm th
 
 
 class Watchdog:
-    """Arm before a step, disarm after it; the limit is max(`min_seconds`, `factor` x the median recent step)."""
+    """Arm before a step, disarm after it; the limit is max(`min_seconds`, `factor` x the median recent step). One
+    daemon thread, started at the first arming, checks the armed deadline a few times per limit, so arming and
+    disarming cost two assignments (a timer thread per step cost ~10% of a small model's step)."""
 
     def __init__(self, run_dir: Path, rank: int, factor: float, min_seconds: float) -> None:
         self.path = run_dir / f"hang-rank{rank}.txt"
         self.factor, self.min_seconds = factor, min_seconds
         self.seconds: list[float] = []
-        self.timer: threading.Timer | None = None
+        self.armed: tuple[int, float, float] | None = None  # (step, limit, deadline on the monotonic clock)
+        self.thread: threading.Thread | None = None
 
     def limit(self) -> float | None:
         if self.factor == 0 or len(self.seconds) < WARMUP_STEPS:
@@ -32,16 +36,23 @@ class Watchdog:
 
     def arm(self, step: int) -> None:
         limit = self.limit()
-        if limit is not None:
-            self.timer = threading.Timer(limit, self._hung, (step, limit))
-            self.timer.daemon = True
-            self.timer.start()
+        if limit is None:
+            return
+        self.armed = (step, limit, time.monotonic() + limit)
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._watch, args=(limit / 10,), daemon=True)
+            self.thread.start()
 
     def disarm(self, seconds: float) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.armed = None
         self.seconds.append(seconds)
+
+    def _watch(self, poll: float) -> None:
+        while True:
+            time.sleep(poll)
+            armed = self.armed
+            if armed is not None and time.monotonic() > armed[2]:
+                self._hung(armed[0], armed[1])
 
     def _hung(self, step: int, limit: float) -> None:
         with self.path.open("a") as out:
