@@ -14,6 +14,7 @@ a WSD run also decays a branch to each shorter horizon and restores its stable s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -238,7 +239,7 @@ def train_loop(
 
     pending: PendingCheckpoint | None = None
     watchdog = Watchdog(setup.run_dir, setup.rank, cfg.hang_factor, cfg.hang_min_seconds)
-    with stop_on_signals() as stop:
+    with stop_on_signals() as stop, contextlib.closing(watchdog):
         while state.step < cfg.max_steps:
             # --- eval
             if val is not None and state.step % cfg.eval_every == 0:

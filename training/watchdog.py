@@ -28,6 +28,7 @@ class Watchdog:
         self.seconds: list[float] = []
         self.armed: tuple[int, float, float] | None = None  # (step, limit, deadline on the monotonic clock)
         self.thread: threading.Thread | None = None
+        self.closed = threading.Event()
 
     def limit(self) -> float | None:
         if self.factor == 0 or len(self.seconds) < WARMUP_STEPS:
@@ -47,9 +48,12 @@ class Watchdog:
         self.armed = None
         self.seconds.append(seconds)
 
+    def close(self) -> None:
+        """Stop watching (the loop ended)."""
+        self.closed.set()
+
     def _watch(self, poll: float) -> None:
-        while True:
-            time.sleep(poll)
+        while not self.closed.wait(poll):
             armed = self.armed
             if armed is not None and time.monotonic() > armed[2]:
                 self._hung(armed[0], armed[1])
