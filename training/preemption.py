@@ -26,13 +26,15 @@ class StopRequest:
 
 @contextmanager
 def stop_on_signals() -> Iterator[StopRequest]:
-    """Within the block, SIGTERM and SIGINT set the yielded request instead of ending the process (the first
-    one; the second gets the handler that was there before). Outside the main thread: a request nothing sets."""
+    """Within the block, SIGTERM and SIGINT (unless ignored) set the yielded request instead of ending the process
+    (the first one; the second gets the handler that was there before). Outside the main thread: a request nothing
+    sets."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
-    previous = {number: signal.getsignal(number) for number in SIGNALS}
+    # a signal the process ignores (SIGINT in a shell's background job) stays ignored
+    previous = {n: signal.getsignal(n) for n in SIGNALS if signal.getsignal(n) is not signal.SIG_IGN}
 
     def handle(number: int, _frame: FrameType | None) -> None:
         if request.signal is not None:  # asked twice: stop now
@@ -45,7 +47,7 @@ def stop_on_signals() -> Iterator[StopRequest]:
             request.signal,
         )
 
-    for number in SIGNALS:
+    for number in previous:
         signal.signal(number, handle)
     try:
         yield request

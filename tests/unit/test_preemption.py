@@ -12,7 +12,15 @@ import pytest
 from training.preemption import stop_on_signals
 
 
-def test_the_first_signal_asks_the_second_stops_and_handlers_come_back() -> None:
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler for the test (a pytest-xdist worker ignores SIGINT), restored afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_the_first_signal_asks_the_second_stops_and_handlers_come_back(python_sigint) -> None:
     before = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
     with stop_on_signals() as stop:
         assert stop.signal is None
@@ -34,3 +42,13 @@ def test_outside_the_main_thread_nothing_is_installed() -> None:
     thread.start()
     thread.join()
     assert seen == [(None, signal.getsignal(signal.SIGTERM))]
+
+
+def test_an_ignored_signal_stays_ignored() -> None:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job of a shell
+    try:
+        with stop_on_signals() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.signal is None and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
