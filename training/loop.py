@@ -8,8 +8,10 @@ every weight is exactly 1. A micro-batch whose loss is not finite on any
 rank is not back-propagated (a zero loss keeps the ranks' collectives in step) and the step is taken at learning
 rate 0, so weights stay bit-identical; such steps are counted, and the run stops after `max_bad_steps` in a
 row. (Adam's moments still decay once on a skipped step.) A non-finite gradient norm after a step cannot be
-undone and stops the run at once. Phases: eval, (decay branch), step, log, checkpoint. With `train.horizons`
-a WSD run also decays a branch to each shorter horizon and restores its stable state (`decay_branch`).
+undone and stops the run at once. A loss spike (`spike_limit`) is skipped like a non-finite loss. Phases: eval,
+(decay branch), step, log, checkpoint. With `train.horizons` a WSD run also decays a branch to each shorter horizon
+and restores its stable state (`decay_branch`). A step is guarded by the hang watchdog (`training/watchdog.py`);
+SIGTERM/SIGINT end the run with a checkpoint at the next step boundary (`training/preemption.py`).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class LoopState:
     skipped_steps: int = 0
     consecutive_bad: int = 0
     spikes: int = 0
-    recent_losses: list[float] = field(default_factory=list)  # the last `train.spike_window` accepted steps'
+    # the losses of the last `train.spike_window` accepted steps (the spike detector's window)
+    recent_losses: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
