@@ -28,6 +28,7 @@ from training.engine import Engine
 from training.loop import Batches
 from training.model.hf_interop import load_export
 from training.model.reward import RewardModel, bradley_terry, export_reward_model
+from training.model.transformer import Transformer
 from training.objective import Outcome
 from training.stages.dpo import sequence_logps
 from training.stages.lifecycle import (
@@ -122,13 +123,13 @@ class RewardModelling(TunedOnPairs):
         spec: RewardModelSpec = job.spec
         base: TrainedModel = job.inputs["base"]
         data: PreferenceManifest = job.inputs["data"]
-        lm = load_export(base.hf_export)
-        model = RewardModel(lm, data.pad_id)
+        # a decoder of its own: RewardModel wraps (shares) the decoder it is given, and the held-out response losses
+        # below need the base language model's weights, not the trained reward model's
+        model = RewardModel(Transformer(self.model_config(job), seed=None), data.pad_id)
         model.load_state_dict(fp32_state_dict(final, tie_embeddings=False), strict=True)
-        verification = export_reward_model(
-            model, Path(base.hf_export), job.run_dir / "hf"
-        )  # its tokenizer too
-        scores = heldout_scores(model, lm.eval(), data, spec.eval_pairs)
+        export = job.run_dir / "hf"  # with the base export's tokenizer files
+        verification = export_reward_model(model, Path(base.hf_export), export)
+        scores = heldout_scores(model, load_export(base.hf_export).eval(), data, spec.eval_pairs)
         val = val_losses(job.run_dir)
         summary = {
             "reward/heldout_loss": val[-1],
