@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from infra.storage import file_records
 from training.model.export import TOLERANCE, copy_tokenizer_files, fresh_staging, publish_export
 from training.model.hf_interop import hf_config_kwargs, to_hf_state_dict
-from training.model.transformer import ModelOutput, Transformer
+from training.model.transformer import ModelOutput, Transformer, router_loss
 
 
 class RewardModel(nn.Module):
@@ -34,8 +34,7 @@ class RewardModel(nn.Module):
         hidden, stats = self.model(tokens)
         last = last_token(tokens, self.pad_id)
         rewards = self.score(hidden[torch.arange(tokens.shape[0], device=tokens.device), last])  # (B, 1)
-        aux = Transformer.router_loss(self, stats)  # type: ignore[arg-type] - reads only cfg
-        return ModelOutput(logits=rewards, aux_loss=aux, router_stats=stats)
+        return ModelOutput(logits=rewards, aux_loss=router_loss(self.cfg, stats), router_stats=stats)
 
 
 def last_token(tokens: Tensor, pad_id: int) -> Tensor:

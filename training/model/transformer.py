@@ -223,6 +223,15 @@ class ModelOutput:
     router_stats: list[RouterStats] = field(default_factory=list)  # one per MoE layer
 
 
+def router_loss(cfg: ModelConfig, stats: list[RouterStats]) -> Tensor | float:
+    """Load-balancing and z-losses averaged over MoE layers (so coefficients do not depend on depth)."""
+    if not stats or cfg.moe is None:
+        return 0.0
+    aux = torch.stack([s.aux_loss for s in stats]).mean()
+    z = torch.stack([s.z_loss for s in stats]).mean()
+    return cfg.moe.aux_loss_coef * aux + cfg.moe.z_loss_coef * z
+
+
 class Transformer(nn.Module):
     """The language model: tokens (B, T) -> next-token logits (B, T, V)."""
 
@@ -271,19 +280,11 @@ class Transformer(nn.Module):
         logits = self.lm_head(hidden)  # (B, T, V)
         if self.cfg.output_mult != 1.0:
             logits = logits * self.cfg.output_mult
-        aux = self.router_loss(stats)
+        aux = router_loss(self.cfg, stats)
         if targets is None:
             return ModelOutput(logits=logits, aux_loss=aux, router_stats=stats)
         ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         return ModelOutput(logits=logits, loss=ce + aux, ce_loss=ce, aux_loss=aux, router_stats=stats)
-
-    def router_loss(self, stats: list[RouterStats]) -> Tensor | float:
-        """Load-balancing and z-losses averaged over MoE layers (so coefficients do not depend on depth)."""
-        if not stats or self.cfg.moe is None:
-            return 0.0
-        aux = torch.stack([s.aux_loss for s in stats]).mean()
-        z = torch.stack([s.z_loss for s in stats]).mean()
-        return self.cfg.moe.aux_loss_coef * aux + self.cfg.moe.z_loss_coef * z
 
     def new_cache(self, batch: int, max_len: int | None = None) -> list[Cache]:
         """Empty per-layer KV caches on this model's device and dtype (linear attention: fp32 running sums,
