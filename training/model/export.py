@@ -120,14 +120,7 @@ def export_hf(
     tokens = probe_tokens(cfg)
     with torch.no_grad():
         difference = float((ours.eval()(tokens).logits - loaded.eval()(tokens).logits).abs().max())
-    verification = {
-        "max_abs_logit_diff": difference,
-        "tolerance": TOLERANCE,
-        "valid": difference <= TOLERANCE,
-        "architecture": type(loaded).__name__,
-        "layout": "huggingface" if cfg.has_llama_layout else "lmforge",
-        "files": file_records(staging),  # checked by `export_damage` before anyone loads it
-    }
+    verification = verified(difference, loaded, staging, "huggingface" if cfg.has_llama_layout else "lmforge")
     if engine is not None:
         measured = mean_loss(loaded.eval(), engine.batches)
         relative = abs(measured - engine.loss) / abs(engine.loss)
@@ -139,6 +132,19 @@ def export_hf(
             "valid": verification["valid"] and relative <= engine.tolerance,
         }
     return publish_export(staging, out, verification)
+
+
+def verified(difference: float, loaded: torch.nn.Module, staging: Path, layout: str) -> dict:
+    """An export's verification record: how far the loaded export's outputs are from ours on the probe (valid
+    within TOLERANCE), what loaded it, and its files' digests (checked by `export_damage` before anyone loads it)."""
+    return {
+        "max_abs_logit_diff": difference,
+        "tolerance": TOLERANCE,
+        "valid": difference <= TOLERANCE,
+        "architecture": type(loaded).__name__,
+        "layout": layout,
+        "files": file_records(staging),
+    }
 
 
 def export_native(state_dict: dict[str, Tensor], cfg: ModelConfig, staging: Path) -> None:

@@ -76,17 +76,16 @@ def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict[str, Any]]:
     }
 
 
-def build_hf_model(cfg: ModelConfig) -> nn.Module:
-    """An uninitialised `LlamaForCausalLM` / `MixtralForCausalLM` with `cfg`'s architecture (fp32, eager attention)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+def build_hf_model(cfg: ModelConfig, head: str = "CausalLM", **config: Any) -> nn.Module:
+    """An uninitialised `LlamaFor<head>` / `MixtralFor<head>` (`CausalLM`, `SequenceClassification`) with `cfg`'s
+    architecture (fp32, eager attention); `config` adds fields to its config (e.g. `num_labels`)."""
+    import transformers
 
     model_type, kwargs = hf_config_kwargs(cfg)
-    config_cls, model_cls = (
-        (LlamaConfig, LlamaForCausalLM) if model_type == "llama" else (MixtralConfig, MixtralForCausalLM)
-    )
-    config = config_cls(**kwargs)
-    config._attn_implementation = "eager"
-    return model_cls(config)
+    family = "Llama" if model_type == "llama" else "Mixtral"
+    hf_config = getattr(transformers, f"{family}Config")(**kwargs, **config)
+    hf_config._attn_implementation = "eager"
+    return getattr(transformers, f"{family}For{head}")(hf_config)
 
 
 def query_fold(cfg: ModelConfig) -> float:

@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from infra.storage import file_records
-from training.model.export import TOLERANCE, copy_tokenizer_files, fresh_staging, publish_export
-from training.model.hf_interop import hf_config_kwargs, to_hf_state_dict
+from training.model.export import copy_tokenizer_files, fresh_staging, publish_export, verified
+from training.model.hf_interop import build_hf_model, to_hf_state_dict
 from training.model.transformer import ModelOutput, Transformer, router_loss
 
 
@@ -66,25 +65,11 @@ def probe_rows(cfg_vocab: int, pad_id: int, length: int, seed: int = 0) -> Tenso
 
 def export_reward_model(model: RewardModel, tokenizer_dir: Path, out: Path) -> dict:
     """A Hugging Face sequence-classification model (`LlamaForSequenceClassification` or Mixtral's, one label,
-    the tokenizer's pad id), verified: transformers' scores of probe rows equal ours (max |diff| ≤ TOLERANCE)."""
-    from transformers import (
-        AutoModelForSequenceClassification,
-        LlamaConfig,
-        LlamaForSequenceClassification,
-        MixtralConfig,
-        MixtralForSequenceClassification,
-    )
+    the tokenizer's pad id), verified: transformers' scores of probe rows equal ours (`export.verified`)."""
+    from transformers import AutoModelForSequenceClassification
 
     cfg = model.cfg
-    model_type, kwargs = hf_config_kwargs(cfg)
-    config_cls, model_cls = (
-        (LlamaConfig, LlamaForSequenceClassification)
-        if model_type == "llama"
-        else (MixtralConfig, MixtralForSequenceClassification)
-    )
-    config = config_cls(**kwargs, num_labels=1, pad_token_id=model.pad_id)
-    config._attn_implementation = "eager"
-    hf_model = model_cls(config)
+    hf_model = build_hf_model(cfg, "SequenceClassification", num_labels=1, pad_token_id=model.pad_id)
     # the logit multiplier belongs to the LM head, which a reward model does not have
     state = to_hf_state_dict(model.state_dict(), cfg.model_copy(update={"output_mult": 1.0}))
     hf_model.load_state_dict(state, strict=True)
@@ -97,12 +82,4 @@ def export_reward_model(model: RewardModel, tokenizer_dir: Path, out: Path) -> d
     rows = probe_rows(cfg.vocab_size, model.pad_id, min(32, cfg.max_seq_len))
     with torch.no_grad():
         difference = float((model.eval()(rows).logits - loaded.eval()(input_ids=rows).logits).abs().max())
-    verification = {
-        "max_abs_logit_diff": difference,
-        "tolerance": TOLERANCE,
-        "valid": difference <= TOLERANCE,
-        "architecture": type(loaded).__name__,
-        "layout": "huggingface",
-        "files": file_records(staging),
-    }
-    return publish_export(staging, out, verification)
+    return publish_export(staging, out, verified(difference, loaded, staging, "huggingface"))
