@@ -15,7 +15,7 @@ import fnmatch
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +46,20 @@ def working_dir(location: str | Path) -> Path:
     return local_path(str(location)) if is_remote(location) else Path(location)
 
 
-def _map_strings(value: Any, old: str, new: str) -> Any:
+def map_strings(value: Any, rename: Callable[[str], str]) -> Any:
+    """`value` (a manifest as JSON) with `rename` applied to every string in it but an artifact's own `uri` (it
+    names the store, whatever the node or directory)."""
     if isinstance(value, str):
-        return new + value[len(old) :] if value.startswith(old) else value
-    if isinstance(value, dict):  # an artifact's own `uri` names the store, whatever the node
-        return {k: v if k == "uri" else _map_strings(v, old, new) for k, v in value.items()}
+        return rename(value)
+    if isinstance(value, dict):
+        return {k: v if k == "uri" else map_strings(v, rename) for k, v in value.items()}
     if isinstance(value, list):
-        return [_map_strings(v, old, new) for v in value]
+        return [map_strings(v, rename) for v in value]
     return value
+
+
+def _map_strings(value: Any, old: str, new: str) -> Any:
+    return map_strings(value, lambda s: new + s[len(old) :] if s.startswith(old) else s)
 
 
 def to_uris(value: Any) -> Any:

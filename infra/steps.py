@@ -113,19 +113,13 @@ def relocated(manifest: dict[str, Any], directory: Path) -> dict[str, Any]:
         return manifest
     moves = [(recorded, str(here)), (str(Path(recorded).parent.parent), str(here.parent.parent))]
 
-    def rebased(value: Any) -> Any:
-        if isinstance(value, str):
-            for old, new in moves:
-                if value == old or value.startswith(old + "/"):
-                    return new + value[len(old) :]
-            return value
-        if isinstance(value, dict):  # an artifact's `uri` names its object store, wherever the copy is
-            return {k: v if k == "uri" else rebased(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [rebased(v) for v in value]
+    def rebased(value: str) -> str:
+        for old, new in moves:
+            if value == old or value.startswith(old + "/"):
+                return new + value[len(old) :]
         return value
 
-    return rebased(manifest)
+    return mirror.map_strings(manifest, rebased)
 
 
 A = TypeVar("A", bound=Artifact)
