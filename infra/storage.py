@@ -99,8 +99,8 @@ def file_records(
 
 def damaged_file(directory: Path, records: dict[str, dict[str, Any]], force: bool = False) -> str | None:
     """The first file of `records` under `directory` that is missing or differs (one line: the path and what is
-    wrong), else None. Each file is hashed once per (path, size, mtime, ctime): checks are cached in this process and in
-    `<directory>/.verified.json`, so a later run re-hashes only files that changed; `force` re-hashes all."""
+    wrong), else None. Each file is hashed once per (path, size, mtime, ctime): checks are cached in this process
+    and in `<directory>/.verified.json`, so a later run re-hashes only files that changed; `force` re-hashes all."""
     cache_path = directory / VERIFIED
     try:
         cache: dict[str, list] = json.loads(cache_path.read_text())

@@ -172,13 +172,13 @@ class TrackedRun(BaseModel):
         what the user must see (a full disk refuses this write too, and MLflow's store would log it with a
         140-line traceback)."""
         store_log = logging.getLogger("mlflow.store.db.utils")
-        store_log.disabled = True
+        was_disabled, store_log.disabled = store_log.disabled, True
         try:
             self.finish(status)
         except Exception as error:  # noqa: BLE001 - the original error is re-raised by the caller
             log.warning("could not mark MLflow run %s %s (%s)", self.run_id, status, root_cause(error))
         finally:
-            store_log.disabled = False
+            store_log.disabled = was_disabled
 
     def set_tags(self, tags: dict[str, str]) -> None:
         if self.enabled:

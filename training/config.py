@@ -127,9 +127,8 @@ class TrainConfig(BaseModel):
     # write checkpoint files on a background thread (DeepSpeed engine): a save blocks training only while the
     # state is copied to CPU memory; the checkpoint is marked complete at the next save or at the end of the run
     async_checkpoint: bool = False
-    max_bad_steps: PositiveInt = (
-        5  # consecutive skipped steps (non-finite losses, spikes) before the run stops
-    )
+    # consecutive skipped steps (non-finite losses, spikes) before the run stops
+    max_bad_steps: PositiveInt = 5
     # loss spikes: a micro-batch whose loss exceeds the mean of the last `spike_window` accepted steps by
     # `spike_sigmas` of their standard deviations and by `spike_min_rise` of the mean is not applied (0 disables)
     spike_window: NonNegativeInt = 50

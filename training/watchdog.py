@@ -11,6 +11,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 EXIT_HUNG = 3
@@ -25,7 +26,7 @@ class Watchdog:
     def __init__(self, run_dir: Path, rank: int, factor: float, min_seconds: float) -> None:
         self.path = run_dir / f"hang-rank{rank}.txt"
         self.factor, self.min_seconds = factor, min_seconds
-        self.seconds: list[float] = []
+        self.seconds: deque[float] = deque(maxlen=50)  # the recent steps that set the pace
         self.armed: tuple[int, float, float] | None = None  # (step, limit, deadline on the monotonic clock)
         self.thread: threading.Thread | None = None
         self.closed = threading.Event()
@@ -33,7 +34,7 @@ class Watchdog:
     def limit(self) -> float | None:
         if self.factor == 0 or len(self.seconds) < WARMUP_STEPS:
             return None
-        return max(self.min_seconds, self.factor * statistics.median(self.seconds[-50:]))
+        return max(self.min_seconds, self.factor * statistics.median(self.seconds))
 
     def arm(self, step: int) -> None:
         limit = self.limit()
@@ -63,7 +64,7 @@ class Watchdog:
             out.write(f"step {step} still running after {limit:.1f} s; every thread's stack:\n")
             out.flush()
             faulthandler.dump_traceback(file=out, all_threads=True)
-        median = statistics.median(self.seconds[-50:])
+        median = statistics.median(self.seconds)
         print(
             f"lmforge: step {step} hung: still running after {limit:.1f} s (the median step took {median:.2f} s); "
             f"stacks in {self.path}; the attempt ends so it resumes from the last checkpoint "
