@@ -178,11 +178,19 @@ def optimizer_step(
         weight = loss_scale(n, n_global, accumulation, world_size) if n else 0.0
         weighted = outcome.loss * weight if n else zero_loss(engine.module)
         loss = weighted + outcome.aux_loss
-        finite = all_reduce_mean(torch.isfinite(loss.detach()).float().to(engine.device)) == 1.0
-        if finite and spike_above is not None and n:
-            mean = float(all_reduce_mean(outcome.loss.detach().float().to(engine.device)))
-            if mean > spike_above:
-                finite, spike = False, mean
+        # one collective that every rank enters (a rank whose micro-batch carries no loss too): how many ranks
+        # are finite, the sum of the losses and how many ranks have one
+        checks = [
+            torch.isfinite(loss.detach()).float(),
+            outcome.loss.detach().float() if n else 0.0,
+            float(n > 0),
+        ]
+        finite_ranks, loss_sum, loss_ranks = all_reduce_sum(
+            torch.stack([torch.as_tensor(c, device=engine.device) for c in checks])
+        ).tolist()
+        finite = finite_ranks == (dist.get_world_size() if dist.is_initialized() else 1)
+        if finite and spike_above is not None and loss_ranks and loss_sum / loss_ranks > spike_above:
+            finite, spike = False, loss_sum / loss_ranks
         if finite:
             engine.backward(loss)
             losses.append(weighted.detach().float())

@@ -368,3 +368,40 @@ def test_a_loss_spike_is_skipped_and_logged(tmp_path: Path, caplog) -> None:
     )
     with pytest.raises(TrainingHalted, match=r"3 consecutive steps were skipped \(the last for a loss spike"):
         spiky_run(tmp_path / "halted", {12, 13, 14}, 14, max_bad_steps=3)
+
+
+def _step_on_two_ranks(rank: int, port: int, out: str) -> None:
+    """Rank 1's micro-batch carries no loss (an SFT batch without response tokens): both ranks must take the same
+    step, spike check included (it is a collective)."""
+    import os
+
+    import torch.distributed as dist
+
+    from training.loop import optimizer_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = (
+        torch.randint(0, 64, (2, 8), generator=generator),
+        torch.randint(0, 64, (2, 8), generator=generator),
+    )
+    if rank == 1:
+        targets[:] = IGNORE_INDEX
+    model = Transformer(CFG, seed=1)
+    engine = PlainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_clip=0.0)
+    outcome = optimizer_step(
+        engine, Fixed([Batch(inputs, targets)]), TokenCrossEntropy(), 0.1, 2, spike_above=100.0
+    )
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"loss": outcome.loss, "spike": outcome.spike}))
+    dist.destroy_process_group()
+
+
+def test_ranks_without_a_loss_take_part_in_the_spike_check(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from infra.services import free_port
+
+    mp.start_processes(_step_on_two_ranks, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert outcomes[0] == outcomes[1] and outcomes[0]["spike"] is None and outcomes[0]["loss"] is not None
