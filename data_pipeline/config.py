@@ -62,6 +62,19 @@ class PreferenceConfig(BaseModel):
     seed: int = 0
 
 
+class PromptsConfig(BaseModel):
+    """Prompts for reinforcement learning: the SFT conversations' prompts (`sft`), the built-in toy task `digits`
+    (requests for numbers, for a verifiable reward that a tiny model can learn), or a JSONL file of
+    `{"prompt", "tests"}` records (`prompt` a string or a list of chat turns; `tests`, optional, Python code that
+    a completion must pass, for the `unit_tests` reward)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str = "sft"
+    max_prompts: PositiveInt | None = 2000
+    heldout_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
+
+
 class DataConfig(BaseModel):
     """Sources, tokenizer and shard layout of the pretraining corpus.
 
@@ -85,6 +98,7 @@ class DataConfig(BaseModel):
     backend: Literal["processes", "ray"] = "processes"
     sft: SFTDataConfig = SFTDataConfig()
     preference: PreferenceConfig = PreferenceConfig()
+    prompts: PromptsConfig = PromptsConfig()
 
     @field_validator("encoding")
     @classmethod

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from flows.stage_def import Inputs, Need, StageDef, Toggle
-from flows.stages import compress, distill, dpo, evaluate, pretrain, reward_model, scaling, sft, tokenize
+from flows.stages import compress, distill, dpo, evaluate, pretrain, reward_model, rl, scaling, sft, tokenize
 
 if TYPE_CHECKING:
     from flows.recipe import Recipe
@@ -34,6 +34,8 @@ STAGES: dict[str, StageDef[Any]] = {
         dpo.REFERENCE_LOGPS,
         dpo.DPO,
         reward_model.REWARD_MODEL,
+        rl.RL_PROMPTS,
+        rl.RL,
         distill.DISTILL,
         distill.STUDENT_BASELINE,
         evaluate.EVAL,

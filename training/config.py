@@ -222,6 +222,69 @@ class RewardModelConfig(BaseModel):
     eval_pairs: PositiveInt = 256  # held-out pairs scored after training
 
 
+class RewardTerm(BaseModel):
+    """One reward function of RL and its weight in the sum: `reward_model` (the reward model's score of prompt and
+    completion), `length` (−|tokens − target_tokens| / target_tokens), `regex` (the share of the completion's
+    characters inside matches of `pattern`; `[0-9]` by default, the toy task's), `unit_tests` (1 when the
+    completion passes the prompt's tests in a sandboxed interpreter, else 0), or `module:function`, a function
+    of your own called as `function(prompt: str, completion: str) -> float`. A function that raises or returns
+    NaN scores that completion 0 and is counted (`rewards/<name>/failures`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    function: str
+    weight: float = 1.0
+    target_tokens: PositiveInt = 16  # `length`
+    pattern: str = "[0-9]"  # `regex`
+    timeout_s: PositiveFloat = 5.0  # `unit_tests`: wall-clock limit per completion
+
+    @property
+    def name(self) -> str:
+        return self.function.rsplit(":", 1)[-1]
+
+
+class RLConfig(BaseModel):
+    """Reinforcement learning with group-relative advantages (the recipe's `rl:` section), from the fine-tuned
+    model: per prompt `group_size` completions sampled from the current policy (`temperature`, `top_p`, at most
+    `max_new_tokens`, stopping at the end-of-turn marker), scored by the weighted `rewards`, advantages within the
+    group (`baseline`: GRPO's mean and standard deviation, or RLOO's leave-one-out mean), the clipped policy loss
+    with a `beta`-weighted KL penalty to the frozen base, normalised as `loss_type` says (TRL's `grpo`, `bnpo`,
+    `dr_grpo`). `train.micro_batch_size` counts prompts."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["full", "lora"] = "full"
+    lora: LoraSettings = LoraSettings()
+    rewards: tuple[RewardTerm, ...] = (RewardTerm(function="reward_model"),)
+    group_size: int = Field(4, ge=2)
+    max_new_tokens: PositiveInt = 24
+    temperature: PositiveFloat = 1.0
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    baseline: Literal["grpo", "rloo"] = "grpo"
+    scale_rewards: bool = True
+    loss_type: Literal["grpo", "bnpo", "dr_grpo"] = "grpo"
+    beta: NonNegativeFloat = 0.04
+    epsilon: PositiveFloat = 0.2
+    optim: OptimConfig = OptimConfig(lr=1e-5, warmup_steps=0, weight_decay=0.0, schedule="constant")
+    # a policy-gradient loss is no stationary positive quantity: the loss-spike detector is off
+    train: TrainConfig = TrainConfig(
+        seq_len=128, micro_batch_size=2, max_steps=100, eval_every=1000, checkpoint_every=50, spike_window=0
+    )
+    eval_prompts: PositiveInt = 32  # held-out prompts sampled before and after
+
+    @model_validator(mode="after")
+    def _checked(self) -> RLConfig:
+        if self.max_new_tokens >= self.train.seq_len:
+            raise ValueError(
+                f"rl.max_new_tokens={self.max_new_tokens} leaves no room for a prompt in rl.train.seq_len="
+                f"{self.train.seq_len}; lower max_new_tokens or raise the sequence length"
+            )
+        names = [term.name for term in self.rewards]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"rl.rewards must name at least one reward function, each once (got {names})")
+        return self
+
+
 class DistillConfig(BaseModel):
     """Knowledge distillation (the recipe's `distill:` section): a student, given as changes to the recipe's
     model (typically a smaller depth), learns from a frozen teacher with α·CE + (1-α)·T²·KL(teacher‖student) on
@@ -408,6 +471,28 @@ class RewardModelSpec(RewardModelConfig, TrainingSpec):
     """What reward modelling receives: the recipe's `reward_model:` section plus the run's context."""
 
     KEY: ClassVar[set[str]] = {"centring", "optim", "train", "eval_pairs"}
+
+
+class RLSpec(RLConfig, TrainingSpec):
+    """What RL receives: the recipe's `rl:` section plus the run's context."""
+
+    KEY: ClassVar[set[str]] = {
+        "method",
+        "lora",
+        "rewards",
+        "group_size",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "baseline",
+        "scale_rewards",
+        "loss_type",
+        "beta",
+        "epsilon",
+        "optim",
+        "train",
+        "eval_prompts",
+    }
 
 
 class DistillSpec(DistillConfig, TrainingSpec):

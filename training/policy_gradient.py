@@ -73,3 +73,17 @@ def clipped_policy_loss(
     metrics["clip_ratio/low_mean"] = ((low * mask).sum() / tokens).detach()
     metrics["clip_ratio/high_mean"] = ((high * mask).sum() / tokens).detach()
     return loss, metrics
+
+
+def token_logps(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """Per-token log-probabilities (B, T) of `targets` under `logits` (B, T, V), 0 where a target is ignored."""
+    per_token = torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="none"
+    )
+    return -per_token.view(targets.shape)
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """The policy's entropy (B, T) at each position, in nats."""
+    logps = torch.log_softmax(logits.float(), dim=-1)
+    return -(logps.exp() * logps).sum(-1)

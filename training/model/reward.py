@@ -4,14 +4,16 @@ loss over (chosen, rejected) rows as TRL's `RewardTrainer` defines it (optional 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from training.model.export import copy_tokenizer_files, fresh_staging, publish_export, verified
-from training.model.hf_interop import build_hf_model, to_hf_state_dict
+from training.model.hf_interop import build_hf_model, load_hf_config, stacked_experts, to_hf_state_dict
 from training.model.transformer import ModelOutput, Transformer, router_loss
 
 
@@ -83,3 +85,14 @@ def export_reward_model(model: RewardModel, tokenizer_dir: Path, out: Path) -> d
     with torch.no_grad():
         difference = float((model.eval()(rows).logits - loaded.eval()(input_ids=rows).logits).abs().max())
     return publish_export(staging, out, verified(difference, loaded, staging, "huggingface"))
+
+
+def load_reward_model(export_dir: Path) -> RewardModel:
+    """A reward model from its sequence-classification export (`export_reward_model`'s), in eval mode."""
+    pad_id = json.loads((export_dir / "config.json").read_text())["pad_token_id"]
+    state: dict[str, Tensor] = {}
+    for file in sorted(export_dir.glob("*.safetensors")):
+        state.update(load_file(file))
+    model = RewardModel(Transformer(load_hf_config(export_dir), seed=None), pad_id)
+    model.load_state_dict(stacked_experts(state), strict=True)
+    return model.eval()

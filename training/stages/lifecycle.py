@@ -46,7 +46,9 @@ class TrainedModel(Artifact):
     """A finished training run: final checkpoint, verified Hugging Face export, headline numbers. `path` is the run
     directory; `kind` says what the model is."""
 
-    kind: Literal["pretrain", "sft-full", "lora", "dpo-full", "dpo-lora", "distill", "reward"]
+    kind: Literal[
+        "pretrain", "sft-full", "lora", "dpo-full", "dpo-lora", "distill", "reward", "rl-full", "rl-lora"
+    ]
     checkpoint: str
     hf_export: str
     export_valid: bool
@@ -250,9 +252,10 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
         probe=job.stage.probe(job),
         remote=open_store(job.remote) if job.remote else None,
     )
+    # before the resume restores the RNG: building an objective may draw from it (a reference model's init)
+    objective = job.stage.objective(job)
     state = resume(engine, loader, setup)
     val = (lambda: val_loader.epoch_batches(train.eval_batches)) if val_loader is not None else None
-    objective = job.stage.objective(job)
     tracker = job.run.tracker(rank, buffer_seconds=2.0)
     try:
         train_loop(engine, loader, val, train, spec.optim, setup, tracker, state, objective)
