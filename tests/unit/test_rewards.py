@@ -1,0 +1,119 @@
+"""RL's reward functions and prompts: each built-in function's value on hand-made completions, the weighted sum,
+a function that raises or returns NaN (that completion scores 0 and is counted, the others keep theirs), a user's
+`module:function`, and prompt files refused in one line naming the record."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from data_pipeline.config import PromptsConfig
+from data_pipeline.prompts import Prompt, digit_prompts, prompt_text, prompts_of, read_prompts
+from data_pipeline.sources import DataError
+from training.config import RewardTerm
+from training.rewards import Rewards, Sample, check_terms, code_of
+
+ASK = Prompt([{"role": "user", "content": "Write a number."}])
+ADD = Prompt([{"role": "user", "content": "Write add(a, b)."}], tests="assert add(2, 3) == 5")
+
+
+def sample(text: str, prompt: Prompt = ASK, n_tokens: int = 4) -> Sample:
+    return Sample(prompt, [1, 2, 3], list(range(n_tokens)), text)
+
+
+def test_builtin_functions_and_the_weighted_sum() -> None:
+    terms = [
+        RewardTerm(function="regex", weight=2.0),
+        RewardTerm(function="length", weight=0.5, target_tokens=4),
+    ]
+    scores = Rewards(terms, None, 128).score(
+        [sample("1234"), sample("ab12", n_tokens=8), sample("", n_tokens=2)]
+    )
+    torch.testing.assert_close(
+        scores.by_function["regex"], torch.tensor([1.0, 0.5, 0.0], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        scores.by_function["length"], torch.tensor([0.0, -1.0, -0.5], dtype=torch.float64)
+    )
+    torch.testing.assert_close(scores.total, torch.tensor([2.0, 0.5, -0.25], dtype=torch.float64))
+    assert scores.failures == {"regex": 0, "length": 0}
+
+
+def test_unit_tests_run_the_completions_code_in_the_sandbox() -> None:
+    fenced = "Here:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
+    assert code_of(fenced) == "def add(a, b):\n    return a + b\n"
+    rewards = Rewards([RewardTerm(function="unit_tests", timeout_s=2.0)], None, 128)
+    scores = rewards.score(
+        [
+            sample(fenced, ADD),
+            sample("def add(a, b):\n    return a - b", ADD),
+            sample("while True: pass", ADD),
+        ]
+    )
+    assert scores.by_function["unit_tests"].tolist() == [1.0, 0.0, 0.0]
+    no_tests = rewards.score([sample("def add(a, b): return a + b", ASK)])  # a prompt without tests
+    assert no_tests.failures == {"unit_tests": 1} and no_tests.total.tolist() == [0.0]
+
+
+def test_a_failing_user_function_costs_only_its_completions(caplog: pytest.LogCaptureFixture) -> None:
+    def score(prompt: str, completion: str) -> float:
+        if completion == "boom":
+            raise ValueError("cannot score this")
+        return math.nan if completion == "nan" else float(len(completion))
+
+    module = types.ModuleType("lmforge_test_rewards")
+    module.score = score  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        rewards = Rewards([RewardTerm(function="lmforge_test_rewards:score")], None, 128)
+        scores = rewards.score([sample("abc"), sample("boom"), sample("nan"), sample("de")])
+    finally:
+        del sys.modules[module.__name__]
+    assert scores.by_function["score"].tolist() == [3.0, 0.0, 0.0, 2.0]
+    assert scores.failures == {"score": 2} and scores.metrics()["rewards/score/failures"] == 2
+    assert "'score' failed on 2 of 4 completions" in caplog.text and "cannot score this" in caplog.text
+
+
+def test_reward_functions_that_cannot_be_built_are_refused() -> None:
+    with pytest.raises(DataError, match="cannot import 'nosuch.module:score'"):
+        check_terms([RewardTerm(function="nosuch.module:score")], None)
+    with pytest.raises(DataError, match="unknown reward function 'bleu'"):
+        check_terms([RewardTerm(function="bleu")], None)
+    with pytest.raises(DataError, match="regex pattern '\\[0-9' is invalid"):
+        check_terms([RewardTerm(function="regex", pattern="[0-9")], None)
+    with pytest.raises(DataError, match="uses the reward model, but none was given"):
+        check_terms([RewardTerm(function="reward_model")], None)
+
+
+def test_prompt_sources_and_bad_records(tmp_path) -> None:
+    assert prompt_text(ASK.messages) == "<|user|>\nWrite a number.<|end|>\n<|assistant|>\n"
+    assert len(digit_prompts()) == 400 and len({p.messages[0]["content"] for p in digit_prompts()}) == 400
+    conversations = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    assert prompts_of(PromptsConfig(), conversations) == [Prompt([{"role": "user", "content": "q"}])]
+    good = tmp_path / "good.jsonl"
+    good.write_text(
+        '{"prompt": "Write add.", "tests": "assert add(1, 1) == 2"}\n\n{"prompt": [{"role": "user", "content": "hi"}]}\n'
+    )
+    assert read_prompts(good) == [
+        Prompt([{"role": "user", "content": "Write add."}], "assert add(1, 1) == 2"),
+        Prompt([{"role": "user", "content": "hi"}]),
+    ]
+    cases = {
+        '{"question": "x"}': "bad.jsonl:1: expected a record",
+        '{"prompt": "x", "tests": 3}': "bad.jsonl:1: the prompt's contents and 'tests' must be strings",
+        '{"prompt": [{"role": "robot", "content": "x"}]}': "bad.jsonl:1: unknown role",
+        '{"prompt": "a <|end|> b"}': "bad.jsonl:1: the prompt contains the reserved marker <|end|>",
+        "{not json": "bad.jsonl:1: not valid JSON",
+        "": "bad.jsonl: no prompts",
+    }
+    bad = tmp_path / "bad.jsonl"
+    for text, message in cases.items():
+        bad.write_text(text)
+        with pytest.raises(DataError, match=message.replace("|", "\\|")):
+            read_prompts(bad)
+    with pytest.raises(DataError, match="does not exist"):
+        read_prompts(tmp_path / "none.jsonl")
