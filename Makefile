@@ -39,7 +39,7 @@ bytecode: install
 
 demo: bytecode
 	$(VENV)/bin/lmforge model summary demo
-	$(VENV)/bin/lmforge pipeline demo --dpo --distill --compress
+	$(VENV)/bin/lmforge pipeline demo --dpo --distill --compress --rl
 
 # Tests run in a random order (pytest-random-order: modules shuffled, and the tests inside each; the seed is printed
 # first and SEED=N repeats it), so no test can lean on another's leftovers. `make test-fast` (unit, parity, fast

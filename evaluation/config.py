@@ -52,6 +52,11 @@ DEFAULT_DPO_GATES = (  # a preference-tuned model against the model it started f
     Gate(metric="sft-heldout-em/response_loss", tolerance=0.05),  # without unlearning the answers
     Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # or the pretraining text
 )
+DEFAULT_RL_GATES = (  # an RL model against the model it started from
+    Gate(metric="rl/heldout_reward", improve=True),  # the reward rose on held-out prompts
+    Gate(metric="sft-heldout-em/response_loss", tolerance=0.05),  # the tax: the answers are not unlearned
+    Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # nor the pretraining text
+)
 
 
 class EvalConfig(BaseModel):
@@ -80,8 +85,13 @@ class EvalConfig(BaseModel):
     dpo_gates: list[Gate] = Field(
         default_factory=lambda: list(DEFAULT_DPO_GATES)
     )  # a DPO candidate vs its base
+    rl_gates: list[Gate] = Field(
+        default_factory=lambda: list(DEFAULT_RL_GATES)
+    )  # an RL candidate vs its base
 
     def gates_for(self, kind: str) -> list[Gate]:
+        if kind.startswith("rl"):
+            return self.rl_gates
         return self.dpo_gates if kind.startswith("dpo") else self.gates
 
 

@@ -72,7 +72,7 @@ def run_frontier(
         update={"spectra": False}
     )  # the report has the spectra; here they would repeat
     config = {
-        "eval": cfg.model_dump(mode="json", exclude={"tasks", "gates", "dpo_gates"}),
+        "eval": cfg.model_dump(mode="json", exclude={"tasks", "gates", "dpo_gates", "rl_gates"}),
         "tasks": [t if t == "builtin" else sha256_file(t) for t in cfg.tasks],
         "corpus": Corpus(spec.data).fingerprint(),
         "compress": spec.compress.model_dump(mode="json", include={"tolerance", "alias", "generate_tokens"}),

@@ -143,7 +143,7 @@ def run_eval(
     # content, not places: the corpus by its fingerprint, task files and the SFT held-out set by their sha256
     data = spec.data
     config = {
-        "eval": cfg.model_dump(mode="json", exclude={"tasks"}),
+        "eval": cfg.model_dump(mode="json", exclude={"tasks", "rl_gates"}),  # (added later: keys stay)
         "tasks": [t if t == "builtin" else sha256_file(t) for t in cfg.tasks],
         "data": data.model_dump(mode="json", include={"text_field", "max_documents", "val_fraction"}),
         "corpus": Corpus(data).fingerprint(),
@@ -197,6 +197,9 @@ def _evaluate(
                 "mlflow_run_id": em.ref.mlflow_run_id,
             }
             tracker.log_metrics({f"{em.name}/{k}": v for k, v in metrics.items() if v == v}, step=0)
+        for name, metrics in rl_metrics(models, names).items():
+            for metric, value in metrics.items():
+                table.setdefault(metric, {})[name] = value
         report = EvalReport(
             path=str(out.resolve()),
             models=info,
@@ -212,6 +215,27 @@ def _evaluate(
         for path in [out / "report.json", out / "report.md", *write_report_plots(report, out)]:
             tracker.log_artifact(path, "eval")
     return report
+
+
+def rl_metrics(models: list[TrainedModel], names: list[str]) -> dict[str, dict[str, float]]:
+    """By column: an RL model's held-out reward and KL to its base, as its stage measured them (the same held-out
+    prompts, seed and reward functions for the RL model and the base), and its base's (KL 0) when it is a
+    column too."""
+    columns = {ref.path: name for name, ref in zip(names, models, strict=True)}
+    out: dict[str, dict[str, float]] = {}
+    for name, ref in zip(names, models, strict=True):
+        if ref.kind.startswith("rl"):
+            s = ref.summary
+            out[name] = {
+                "rl/heldout_reward": s["rl/heldout_reward_after"],
+                "rl/kl_to_base": s["rl/heldout_kl"],
+            }
+            if ref.base_run_dir in columns:
+                out[columns[ref.base_run_dir]] = {
+                    "rl/heldout_reward": s["rl/heldout_reward_before"],
+                    "rl/kl_to_base": 0.0,
+                }
+    return out
 
 
 def _fmt(value: float | None) -> str:

@@ -26,7 +26,7 @@ COMPRESSING = Toggle(
     "quantize (torchao int8/int4, GPTQ), factorise and prune the final model (compress.variants), evaluate every "
     "variant and register the smallest within compress.tolerance under compress.alias",
 )
-BASE = ("dpo", "sft", "pretrain")  # the model the registry takes
+BASE = ("rl", "dpo", "sft", "pretrain")  # the model the registry takes
 
 
 def check(recipe: Recipe, inputs: Inputs) -> None:

@@ -29,6 +29,7 @@ HEADLINE = (
     "sft-heldout-em/exact_match",
     "sft-heldout-em/response_loss",
     "preference-heldout/accuracy",
+    "rl/heldout_reward",
 )
 
 
@@ -134,7 +135,7 @@ REGISTER: StageDef[Registered] = StageDef(
     name="register",
     help="gate the last tuned model on the evaluation and register it in MLflow (alias when the gates pass)",
     run=run_register,
-    needs={"report": "eval", "model": ("dpo", "sft", "pretrain")},
+    needs={"report": "eval", "model": ("rl", "dpo", "sft", "pretrain")},
     wants={"law": "rung", "variants": "compress", "frontier": "frontier"},
     section="eval",
     headline=register_headline,
