@@ -18,12 +18,12 @@ import argparse
 import copy
 import json
 import time
-from typing import Any
 
 import torch
+from step_guards import Repeat  # this script's directory
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from train_throughput import SHAPES  # this script's directory
+from train_throughput import SHAPES
 
 from data_pipeline.prompts import Prompt, PromptBatch
 from training.config import OptimConfig, RewardTerm, RLSpec, TrainConfig
@@ -33,20 +33,6 @@ from training.model.sampling import generate
 from training.model.transformer import Transformer
 from training.rewards import Rewards
 from training.stages.rl import RLObjective
-
-
-class Repeat:
-    def __init__(self, batch: Any) -> None:
-        self.batch = batch
-
-    def next_batch(self) -> Any:
-        return self.batch
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        return None
 
 
 def main() -> None:

@@ -143,7 +143,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         start_mlflow,
         start_prefect,
         start_ray,
-        stop,
+        stop_all,
     )
 
     state = Path(args.state_dir).resolve()
@@ -177,8 +177,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 with contextlib.suppress(BaseException):
                     if (started := future.result()) not in running:
                         running.append(started)
-            for started in running:
-                stop(started)
+            stop_all(running)
             save_state(state, [])
             raise
     urls = {r.name: r.url for r in running}
@@ -200,14 +199,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     """Stop exactly the process groups `up` recorded, by PID."""
-    from infra.services import load_state, save_state, stop
+    from infra.services import load_state, save_state, stop_all
 
     state = Path(args.state_dir)
     services = load_state(state)
     if not services:
         print(f"nothing recorded in {state.resolve()}: no services to stop")
+    stop_all(services)  # side by side: one grace period for all of them
     for running in services:
-        stop(running)
         print(f"stopped {running.name} ({running.url}, process group {running.pid})")
     save_state(state, [])
     return 0

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -304,7 +305,13 @@ def members(running: Running) -> list[psutil.Process]:
 def stop(running: Running, timeout: float = 10.0) -> None:
     """SIGTERM the process group `running` started (its leader's PID), then SIGKILL what is left after
     `timeout` seconds. Nothing else on the host is touched."""
-    alive = members(running)
+    stop_all([running], timeout)
+
+
+def stop_all(services: Sequence[Running], timeout: float = 10.0) -> None:
+    """`stop` for several services at once: all are asked to exit, then waited for together (one grace period,
+    not one per service)."""
+    alive = [proc for running in services for proc in members(running)]
     if not alive:
         return
     for sig in (signal.SIGTERM, signal.SIGKILL):

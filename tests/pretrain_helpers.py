@@ -158,3 +158,14 @@ SMOKE_SETTINGS = [
     "eval.max_documents=20",
     "eval.builtin_questions=20",
 ]
+
+
+def quiet_runner():  # noqa: ANN201 - a flows.runner.Direct
+    """The in-process stage runner without progress bars (tests resolve stages through the registry with it)."""
+    from flows.runner import Direct
+
+    class Quiet(Direct):
+        def steps(self, name: str, total: int) -> None:
+            return None
+
+    return Quiet()

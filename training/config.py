@@ -246,10 +246,11 @@ class RewardTerm(BaseModel):
 class RLConfig(BaseModel):
     """Reinforcement learning with group-relative advantages (the recipe's `rl:` section), from the fine-tuned
     model: per prompt `group_size` completions sampled from the current policy (`temperature`, `top_p`, at most
-    `max_new_tokens`, stopping at the end-of-turn marker), scored by the weighted `rewards`, advantages within the
-    group (`baseline`: GRPO's mean and standard deviation, or RLOO's leave-one-out mean), the clipped policy loss
-    with a `beta`-weighted KL penalty to the frozen base, normalised as `loss_type` says (TRL's `grpo`, `bnpo`,
-    `dr_grpo`). `train.micro_batch_size` counts prompts."""
+    `max_new_tokens`, stopping at the end-of-turn marker), scored by the weighted `rewards`, with advantages within
+    the group. `baseline: grpo` (TRL's GRPOTrainer): the group's mean and standard deviation, the per-token clipped
+    loss plus `beta`·KL to the frozen base, normalised as `loss_type` says (`grpo`, `bnpo`, `dr_grpo`);
+    `baseline: rloo` (TRL's RLOOTrainer): the leave-one-out mean, `beta`·KL charged in the reward, the clipped
+    loss on whole completions. `train.micro_batch_size` counts prompts."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -5,7 +5,9 @@ completion tokens, `mask` 1 on real completion tokens. `group_advantages` turns 
 (GRPO: the reward minus its group's mean, over the group's standard deviation; RLOO: minus the mean of the other
 G-1 rewards, the leave-one-out baseline). `clipped_policy_loss` is PPO's clipped importance-weighted objective
 with the k3 estimate of KL(π‖π_ref) per token (Schulman), normalised per sequence (`grpo`), per token over the
-batch (`bnpo`) or by B x the maximum completion length (`dr_grpo`, Liu et al. 2025).
+batch (`bnpo`) or by B x the maximum completion length (`dr_grpo`, Liu et al. 2025). RLOO, as TRL's
+`RLOOTrainer` has it, clips whole completions' ratios instead (`sequence_policy_loss`) and charges the KL in the
+reward (`sequence_kl`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,32 @@ def clipped_policy_loss(
     metrics["clip_ratio/low_mean"] = ((low * mask).sum() / tokens).detach()
     metrics["clip_ratio/high_mean"] = ((high * mask).sum() / tokens).detach()
     return loss, metrics
+
+
+def sequence_policy_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """RLOO's loss (TRL's `RLOOTrainer._compute_loss`): the clipped objective on whole completions' log-probabilities
+    (summed over their tokens), averaged over the completions; the KL penalty lives in the reward instead
+    (`sequence_kl`)."""
+    mask = mask.to(logps.dtype)
+    ratio = torch.exp((logps * mask).sum(1) - (old_logps * mask).sum(1))
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    loss = -torch.min(ratio * advantages, clipped * advantages).mean()
+    low = ((ratio < 1 - epsilon_low) & (advantages < 0)).to(logps.dtype)
+    high = ((ratio > 1 + epsilon_high) & (advantages > 0)).to(logps.dtype)
+    return loss, {"clip_ratio/low_mean": low.mean().detach(), "clip_ratio/high_mean": high.mean().detach()}
+
+
+def sequence_kl(old_logps: Tensor, ref_logps: Tensor, mask: Tensor) -> Tensor:
+    """Each completion's KL to the reference as RLOO puts it in the reward: the first-order log-ratio
+    log π_old − log π_ref summed over its tokens (Ahmadian et al. 2024), (B,)."""
+    return ((old_logps - ref_logps) * mask.to(old_logps.dtype)).sum(-1)
 
 
 def token_logps(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:

@@ -18,9 +18,10 @@ import mlflow
 import pytest
 
 from flows.recipe import load_recipe
+from flows.registry import pipeline, toggles
 from infra.services import free_port, start_mlflow, start_prefect, stop
 from infra.storage import sha256_file
-from tests.pretrain_helpers import clean_env, lmforge_command, smoke_overrides, with_sets
+from tests.pretrain_helpers import clean_env, lmforge_command, quiet_runner, smoke_overrides, with_sets
 from training.model.config import ModelConfig
 from training.sizing import count_n
 from training.stages.sweep import plan_trials
@@ -376,9 +377,18 @@ def test_killed_pipeline_resumes_and_matches_an_uninterrupted_run(services, tmp_
     assert not list(killed.glob("pretrain/*/manifest.json")), "killed too late: pretraining had finished"
     tokens = next(killed.glob("tokenize/*/manifest.json"))
     stamp = tokens.stat().st_mtime_ns
-    rerun = subprocess.run(command(killed), env=env, capture_output=True, text=True, timeout=900)
+    # the rerun is what `make demo` does: no Prefect server anywhere, so `lmforge pipeline` starts a temporary one
+    # whose database stays in the output directory with the finished flow run in it
+    alone = {k: v for k, v in env.items() if not k.startswith("PREFECT_")}
+    rerun = subprocess.run(command(killed), env=alone, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert tokens.stat().st_mtime_ns == stamp  # tokenization was skipped
+    with sqlite3.connect(killed / "services" / "prefect" / "prefect.db") as db:
+        flows = db.execute(
+            "SELECT flow.name, flow_run.state_type FROM flow_run JOIN flow ON flow.id = flow_run.flow_id"
+        ).fetchall()
+    assert flows == [("pipeline", "COMPLETED")], flows
+    assert f"PREFECT_HOME={(killed / 'services' / 'prefect').resolve()}" in rerun.stdout
     # the resumed pretraining run is nested under the pipeline run that finished it, not the killed one
     tracking = mlflow.MlflowClient(f"sqlite:///{killed / 'mlflow.db'}")
     experiment = tracking.get_experiment_by_name("lmforge").experiment_id
@@ -391,18 +401,15 @@ def test_killed_pipeline_resumes_and_matches_an_uninterrupted_run(services, tmp_
     ]
     assert parent != earlier and pipelines.index(earlier) < pipelines.index(parent)  # killed, then rerun
     assert tracking.get_run(parent).info.status == "FINISHED"
-    # the uninterrupted run is what `make demo` does: no Prefect server anywhere, so `lmforge pipeline` starts a
-    # temporary one whose database stays in the output directory with the finished flow run in it
+    # --no-register had its effect: nothing in the registry, no registration in the summary
+    assert tracking.search_registered_models() == []
+    assert "Registered:" not in rerun.stdout and "Stage times:" in rerun.stdout
+    # the uninterrupted run: the same stages, in this process (the launch's own path is the rerun's)
     straight = tmp_path / "straight"
-    alone = {k: v for k, v in env.items() if not k.startswith("PREFECT_")}
-    once = subprocess.run(command(straight), env=alone, capture_output=True, text=True, timeout=900)
-    assert once.returncode == 0, once.stderr[-3000:]
-    with sqlite3.connect(straight / "services" / "prefect" / "prefect.db") as db:
-        flows = db.execute(
-            "SELECT flow.name, flow_run.state_type FROM flow_run JOIN flow ON flow.id = flow_run.flow_id"
-        ).fetchall()
-    assert flows == [("pipeline", "COMPLETED")], flows
-    assert f"PREFECT_HOME={(straight / 'services' / 'prefect').resolve()}" in once.stdout
+    switches = {name: toggle.default for name, toggle in toggles().items()} | {"register_model": False}
+    pipeline(
+        load_recipe("smoke", smoke_overrides(straight, *EVAL, *train)), switches, "recipe", quiet_runner()
+    )
     for stage in ("pretrain", "sft"):
         (a,) = killed.glob(f"{stage}/*/hf/model.safetensors")
         (b,) = straight.glob(f"{stage}/*/hf/model.safetensors")
@@ -413,7 +420,3 @@ def test_killed_pipeline_resumes_and_matches_an_uninterrupted_run(services, tmp_
     ma.pop("eval/tokens_per_s")
     mb.pop("eval/tokens_per_s")
     assert ma == mb
-    # --no-register had its effect: nothing in the registry, no registration in the summary
-    client = mlflow.MlflowClient(f"sqlite:///{straight / 'mlflow.db'}")
-    assert client.search_registered_models() == []
-    assert "Registered:" not in once.stdout and "Stage times:" in once.stdout

@@ -11,8 +11,7 @@ import pytest
 
 from flows.recipe import load_recipe
 from flows.registry import resolve
-from flows.runner import Direct
-from tests.pretrain_helpers import MOE, SMOKE_SETTINGS, pretrain_here, smoke_overrides
+from tests.pretrain_helpers import MOE, SMOKE_SETTINGS, pretrain_here, quiet_runner, smoke_overrides
 from training.stages.distill import teacher_from_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -25,23 +24,18 @@ VARIANTS = (
 )
 
 
-class Quiet(Direct):
-    def steps(self, name: str, total: int) -> None:
-        return None
-
-
 def test_an_moe_model_is_evaluated_compressed_and_distilled(tmp_path: Path, caplog) -> None:
     settings = [MOE, *SMOKE_SETTINGS, VARIANTS]
     model = pretrain_here(tmp_path, *settings)
     assert model.model["moe"]["n_experts"] == 4 and model.export_valid
     recipe = load_recipe("smoke", smoke_overrides(tmp_path, *settings))
 
-    report = resolve("eval", recipe, Quiet(), {"models": [("moe", model)]}).done["eval"]
+    report = resolve("eval", recipe, quiet_runner(), {"models": [("moe", model)]}).done["eval"]
     bpb = report.metrics["heldout/all/bits_per_byte"]["moe"]
     assert math.isfinite(bpb) and 0 < bpb < 8
 
     with caplog.at_level("WARNING"):
-        made = resolve("frontier", recipe, Quiet(), {"base": model})
+        made = resolve("frontier", recipe, quiet_runner(), {"base": model})
     front = made.done["frontier"]
     assert [row["name"] for row in front.rows] == [
         "uncompressed",
@@ -57,5 +51,7 @@ def test_an_moe_model_is_evaluated_compressed_and_distilled(tmp_path: Path, capl
     for name in ("int8-weight", "gptq-w4g4"):  # the rest of the model is quantized
         assert rows[name]["served_ratio"] < 1, (name, rows[name]["served_ratio"])
 
-    distilled = resolve("distill", recipe, Quiet(), {"teacher": teacher_from_run(model)}).done["distill"]
+    distilled = resolve("distill", recipe, quiet_runner(), {"teacher": teacher_from_run(model)}).done[
+        "distill"
+    ]
     assert distilled.export_valid and distilled.base_run_dir == model.path

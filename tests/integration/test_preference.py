@@ -15,7 +15,6 @@ import torch
 from data_pipeline.sources import DataError
 from data_pipeline.tokenize import run_tokenize
 from flows.registry import resolve
-from flows.runner import Direct
 from flows.stages.dpo import preference_data, reference_logps
 from tests.pretrain_helpers import (
     SMOKE_SETTINGS,
@@ -23,6 +22,7 @@ from tests.pretrain_helpers import (
     kill_after_checkpoint,
     logged_once,
     losses,
+    quiet_runner,
     smoke_overrides,
     with_sets,
 )
@@ -39,11 +39,6 @@ TRL_METRICS = (
     "logps/chosen",
     "logps/rejected",
 )
-
-
-class Quiet(Direct):
-    def steps(self, name: str, total: int) -> None:
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +127,7 @@ def test_dpo_bad_input_is_refused(dpo_run, smoke_base, tmp_path: Path) -> None:
 def distill_runs(smoke_base, tmp_path_factory):
     recipe, base = smoke_base
     recipe = recipe.override(f"output_dir={tmp_path_factory.mktemp('distill')}")
-    made = resolve("distill", recipe, Quiet(), {"teacher": teacher_from_run(base)})
+    made = resolve("distill", recipe, quiet_runner(), {"teacher": teacher_from_run(base)})
     return recipe, base, made.done["distill"], made.done["student_baseline"]
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from training.policy_gradient import clipped_policy_loss, group_advantages
+from training.policy_gradient import clipped_policy_loss, group_advantages, sequence_kl, sequence_policy_loss
 
 pytestmark = [pytest.mark.parity]
 
@@ -96,3 +96,52 @@ def test_grpo_and_rloo_advantages_on_a_worked_example() -> None:
     scaled = group_advantages(rewards, 4, "rloo")
     torch.testing.assert_close(scaled, (rloo - rloo.mean()) / (rloo.std() + 1e-4))
     assert group_advantages(torch.ones(4), 4).abs().max() == 0  # a group that all agrees teaches nothing
+
+
+def test_rloos_loss_equals_trls(generator: torch.Generator) -> None:
+    """The whole-completion clipped loss equals `RLOOTrainer._compute_loss` on the same log-probabilities."""
+    from trl import RLOOTrainer
+
+    b, t = 6, 9
+    logps = -torch.rand(b, t, generator=generator, dtype=torch.float64) * 3
+    old = logps + torch.randn(b, t, generator=generator, dtype=torch.float64) * 0.1
+    advantages = torch.randn(b, generator=generator, dtype=torch.float64)
+    mask = torch.ones(b, t, dtype=torch.float64)
+    mask[0, 5:] = 0
+    mask[3, 2:] = 0
+    identity = SimpleNamespace(
+        gather=lambda x: x.reshape(-1), gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x
+    )
+    trainer = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+        aux_loss_enabled=False,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        model=SimpleNamespace(training=True),
+        _metrics={"train": _Lists(), "eval": _Lists()},
+        accelerator=identity,
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(b, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+        "completion_ids": torch.zeros_like(mask, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "old_logps": (old * mask).sum(1),
+    }
+    theirs = float(RLOOTrainer._compute_loss(trainer, None, inputs))
+    ours, metrics = sequence_policy_loss(logps, old, advantages, mask, 0.2, 0.28)
+    assert float(ours) == pytest.approx(theirs, rel=1e-6)
+    assert float(metrics["clip_ratio/low_mean"]) == pytest.approx(
+        trainer._metrics["train"]["clip_ratio/low_mean"][0]
+    )
+
+
+def test_rloo_charges_the_kl_in_the_reward() -> None:
+    """TRL's RLOO: reward − β·Σ_t(log π_old − log π_ref) over the completion's tokens, before the baseline."""
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -2.0, -9.0], [-0.5, -1.5, -1.0]], dtype=torch.float64)
+    mask = torch.tensor(
+        [[1, 1, 0], [1, 1, 1]], dtype=torch.float64
+    )  # the first completion ended after 2 tokens
+    torch.testing.assert_close(sequence_kl(old, ref, mask), torch.tensor([0.5, 0.0], dtype=torch.float64))

@@ -5,7 +5,7 @@ policy samples `group_size` completions of each with the KV-cache sampler (on th
 save, so a resumed run samples what the uninterrupted one would), the weighted reward functions
 (`training/rewards.py`) score them, advantages are formed within each prompt's group (a group never spans ranks),
 and the loss is the clipped policy-gradient loss with a KL penalty to the frozen base (`training/policy_gradient.py`,
-TRL's definitions). One optimiser step per generation, so the old policy is the current one (TRL's default).
+TRL's definitions: GRPO's per-token loss with the KL in it, or RLOO's per-completion loss with the KL in the reward). One optimiser step per generation, so the old policy is the current one (TRL's default).
 Logged per step: reward mean/std per function, KL, clip fractions, entropy, completion lengths, seconds spent
 sampling and scoring. Afterwards, on held-out prompts: the reward of the base and of the trained policy, the KL
 between them, a few completions of each (`samples.json`) and reward against KL over the steps (`reward_kl.png`).
@@ -36,7 +36,14 @@ from training.loop import Batches
 from training.model.hf_interop import load_export, load_hf_config
 from training.model.sampling import generate
 from training.objective import Outcome
-from training.policy_gradient import clipped_policy_loss, group_advantages, token_entropy, token_logps
+from training.policy_gradient import (
+    clipped_policy_loss,
+    group_advantages,
+    sequence_kl,
+    sequence_policy_loss,
+    token_entropy,
+    token_logps,
+)
 from training.rewards import Rewards, Sample, Scores, check_terms
 from training.stages.dpo import policy_model
 from training.stages.lifecycle import (
@@ -131,9 +138,6 @@ class RLObjective:
         engine.train(True)
         scoring = time.perf_counter()
         scores = self.rewards.score(sampled.samples)
-        advantages = group_advantages(
-            scores.total.float(), spec.group_size, spec.baseline, spec.scale_rewards
-        )
         scored = time.perf_counter()
         out = engine.forward(sampled.batch, with_loss=False)
         targets = sampled.batch.targets.to(engine.device)
@@ -142,28 +146,41 @@ class RLObjective:
         reference = None
         if spec.beta:
             with torch.no_grad():
-                reference = token_logps(
-                    self.reference_of(engine)(sampled.batch.inputs.to(engine.device)).logits, targets
-                )
-        loss, metrics = clipped_policy_loss(
-            logps,
-            logps.detach(),
-            reference,
-            advantages.to(engine.device),
-            mask,
-            spec.beta,
-            spec.epsilon,
-            spec.epsilon,
-            spec.loss_type,
-            spec.max_new_tokens,
-        )
+                inputs = sampled.batch.inputs.to(engine.device)
+                reference = token_logps(self.reference_of(engine)(inputs).logits, targets)
+        rewards = scores.total.float().to(engine.device)
+        metrics: dict[str, torch.Tensor] = {}
+        if (
+            spec.baseline == "rloo"
+        ):  # TRL's RLOO: the KL is charged in the reward, the ratio is the completion's
+            if reference is not None:
+                kl = sequence_kl(logps.detach(), reference, mask)
+                rewards = rewards - spec.beta * kl
+                metrics["kl"] = kl.sum() / mask.sum().clamp(min=1)
+            advantages = group_advantages(rewards, spec.group_size, "rloo", spec.scale_rewards)
+            loss, clip = sequence_policy_loss(
+                logps, logps.detach(), advantages, mask, spec.epsilon, spec.epsilon
+            )
+        else:
+            advantages = group_advantages(rewards, spec.group_size, "grpo", spec.scale_rewards)
+            loss, clip = clipped_policy_loss(
+                logps,
+                logps.detach(),
+                reference,
+                advantages,
+                mask,
+                spec.beta,
+                spec.epsilon,
+                spec.epsilon,
+                spec.loss_type,
+                spec.max_new_tokens,
+            )
         with torch.no_grad():
             entropy = (token_entropy(out.logits) * mask).sum() / mask.sum().clamp(min=1)
-        lengths = mask.sum(-1).float()
+        metrics |= clip | {name: value.float() for name, value in scores.metrics().items()}
         metrics |= {
-            **{name: value.float() for name, value in scores.metrics().items()},
             "entropy": entropy,
-            "completions/mean_length": lengths.mean(),
+            "completions/mean_length": mask.sum(-1).float().mean(),
             "completions/clipped_ratio": sampled.clipped.mean(),
             "perf/sampling_s": torch.tensor(scoring - started),
             "perf/scoring_s": torch.tensor(scored - scoring),
