@@ -311,6 +311,7 @@ def train_loop(
                     "train/lr": lr,
                     "train/grad_norm": outcome.grad_norm,
                     "perf/tokens_per_s": tokens_per_s,
+                    "perf/step_s": elapsed,
                     "perf/mfu": setup.flops_per_token * tokens_per_s / (setup.peak_flops * setup.world_size),
                     "train/tokens": float(state.tokens),
                     **outcome.metrics,

@@ -4,6 +4,7 @@ reward model's score by default; `rl:`); its helper step encodes the prompts (`r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,12 +54,22 @@ def run(recipe: Recipe, inputs: Inputs, progress: StepProgress | None) -> Traine
 
 
 def report(recipe: Recipe, inputs: Inputs, model: TrainedModel) -> str:
-    s = model.summary
-    return (
-        f"prompts     {inputs['prompts'].path}\n{describe_tuned(model)}\n"
+    """The run, the held-out reward and KL, and two held-out completions of the base and the RL model side by
+    side (where reward hacking shows first; the rest in samples.json, reward against KL in reward_kl.png)."""
+    s, run = model.summary, Path(model.path)
+    lines = [
+        f"prompts     {inputs['prompts'].path}",
+        describe_tuned(model),
         f"held-out    reward {s['rl/heldout_reward_before']:.3f} -> {s['rl/heldout_reward_after']:.3f}, "
-        f"KL to the base {s['rl/heldout_kl']:.4f} nats/token (samples: {Path(model.path) / 'samples.json'})"
-    )
+        f"KL to the base {s['rl/heldout_kl']:.4f} nats/token ({run / 'reward_kl.png'})",
+    ]
+    for shown in json.loads((run / "samples.json").read_text())[:2]:
+        lines += [
+            f"  prompt  {shown['prompt']!r}",
+            f"    base  {shown['base']!r}",
+            f"    RL    {shown['trained']!r}",
+        ]
+    return "\n".join(lines)
 
 
 RL_PROMPTS: StageDef[PromptManifest] = StageDef(

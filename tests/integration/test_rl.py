@@ -71,6 +71,7 @@ def test_grpo_learns_the_digits_task_and_lr_zero_stays_flat(digits) -> None:
         "completions/clipped_ratio",
         "perf/sampling_s",
         "perf/scoring_s",
+        "perf/step_s",
     ):
         assert key in record, key
     shown = json.loads((Path(learned.path) / "samples.json").read_text())
@@ -122,6 +123,8 @@ def test_rl_against_the_reward_model_through_the_registry(smoke_base, smoke_lora
         records[0]["kl"] == 0.0 and records[-1]["kl"] != 0
     )  # the policy starts at the reference, then moves
     assert "rl/heldout_reward_model_after" in model.summary
+    report = made.summary()["reports"]["rl"]  # what the pipeline prints: two held-out completions, base and RL
+    assert report.count("\n    base  ") == report.count("\n    RL    ") == 2 and "reward_kl.png" in report
 
 
 def test_bad_input_is_refused_in_one_line(digits, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ save, so a resumed run samples what the uninterrupted one would), the weighted r
 and the loss is the clipped policy-gradient loss with a KL penalty to the frozen base (`training/policy_gradient.py`,
 TRL's definitions: GRPO's per-token loss with the KL in it, or RLOO's per-completion loss with the KL in the reward). One optimiser step per generation, so the old policy is the current one (TRL's default).
 Logged per step: reward mean/std per function, KL, clip fractions, entropy, completion lengths, seconds spent
-sampling and scoring. Afterwards, on held-out prompts: the reward of the base and of the trained policy, the KL
+sampling and scoring (of the step's `perf/step_s`). Afterwards, on held-out prompts: the reward of the base and of the trained policy, the KL
 between them, a few completions of each (`samples.json`) and reward against KL over the steps (`reward_kl.png`).
 """
 
