@@ -169,3 +169,31 @@ def quiet_runner():  # noqa: ANN201 - a flows.runner.Direct
             return None
 
     return Quiet()
+
+
+def stopped_copy(run_dir: Path, stage_dir: Path, step: int) -> Path:
+    """A finished run's directory copied under `stage_dir` as a kill right after its checkpoint of `step` leaves
+    it: the later checkpoints, the export, summaries and manifest gone, metrics.jsonl cut after `step`; the
+    output directory's embedded MLflow store comes along (the run continues its MLflow run)."""
+    import json
+    import shutil
+
+    from training import checkpoint as ckpt
+    from training.loop import read_jsonl
+
+    copy = stage_dir / run_dir.name
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir.parents[1] / "mlflow.db").is_file():
+        shutil.copy(run_dir.parents[1] / "mlflow.db", stage_dir.parent / "mlflow.db")
+    shutil.copytree(
+        run_dir, copy, ignore=shutil.ignore_patterns("hf", "adapter", "manifest.json", "*.png", "*summary*")
+    )
+    for done, path in ckpt.complete_checkpoints(copy / "checkpoints"):
+        if done > step:
+            shutil.rmtree(path)
+    assert ckpt.latest_checkpoint(copy / "checkpoints") == ckpt.step_dir(copy / "checkpoints", step), (
+        "not kept"
+    )
+    kept = [r for r in read_jsonl(copy / "metrics.jsonl") if r["step"] <= step]
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return copy

@@ -7,7 +7,6 @@ registry: the reward model trains first and RL optimises against its score. Bad 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,10 +14,8 @@ import pytest
 from data_pipeline.sources import DataError
 from flows.registry import resolve
 from flows.stages.rl import prompt_data
-from tests.pretrain_helpers import SMOKE_SETTINGS, cli, quiet_runner, smoke_overrides, with_sets
-from training import checkpoint as ckpt
+from tests.pretrain_helpers import SMOKE_SETTINGS, cli, quiet_runner, smoke_overrides, stopped_copy, with_sets
 from training.config import RLSpec
-from training.loop import read_jsonl
 from training.stages.lifecycle import read_metrics
 from training.stages.rl import run_rl
 
@@ -85,16 +82,7 @@ def test_a_stopped_run_resumes_with_the_same_samples(digits, tmp_path: Path) -> 
     completion's score) and loss equal the uninterrupted run's."""
     recipe, tuned, prompts, spec, learned, _ = digits
     source = Path(learned.path)
-    stopped = tmp_path / "rl" / source.name
-    shutil.copytree(
-        source, stopped, ignore=shutil.ignore_patterns("hf", "manifest.json", "*.png", "*summary*")
-    )
-    shutil.copy(Path(recipe.output_dir) / "mlflow.db", tmp_path / "mlflow.db")
-    for step, path in ckpt.complete_checkpoints(stopped / "checkpoints"):
-        if step > 10:
-            shutil.rmtree(path)
-    kept = [r for r in read_jsonl(stopped / "metrics.jsonl") if r["step"] <= 10]
-    (stopped / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    stopped = stopped_copy(source, tmp_path / "rl", 10)
     resumed = run_rl(spec.model_copy(update={"output_dir": str(tmp_path)}), tuned, prompts)
     assert Path(resumed.path) == stopped
     later = [
@@ -123,7 +111,9 @@ def test_rl_against_the_reward_model_through_the_registry(smoke_base, smoke_lora
         records[0]["kl"] == 0.0 and records[-1]["kl"] != 0
     )  # the policy starts at the reference, then moves
     assert "rl/heldout_reward_model_after" in model.summary
-    report = made.summary()["reports"]["rl"]  # what the pipeline prints: two held-out completions, base and RL
+    report = made.summary()["reports"][
+        "rl"
+    ]  # what the pipeline prints: two held-out completions, base and RL
     assert report.count("\n    base  ") == report.count("\n    RL    ") == 2 and "reward_kl.png" in report
 
 
