@@ -122,6 +122,11 @@ def test_bad_input_is_refused_in_one_line(digits, tmp_path: Path) -> None:
     wants_reward_model = recipe.override("rl.rewards=[{function: reward_model}]").section_spec("rl", RLSpec)
     with pytest.raises(DataError, match="uses the reward model, but none was given"):
         run_rl(wants_reward_model, tuned, prompts)
+    zero3 = spec.model_copy(update={"parallel": spec.parallel.model_copy(update={"zero_stage": 3})})
+    with pytest.raises(
+        DataError, match="own copy of the policy: use parallel.ep_size=1 and parallel.zero_stage 0-2"
+    ):
+        run_rl(zero3, tuned, prompts)
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "Write a number."}\n{"question": "no prompt"}\n')
     sets = with_sets(smoke_overrides(tmp_path, *SMOKE_SETTINGS, f"data.prompts.source={bad}"))

@@ -40,7 +40,7 @@ from training.stages.lifecycle import (
     run_training_stage,
     val_losses,
 )
-from training.stages.tuning import TunedOnPairs, check_examples, export_tuned
+from training.stages.tuning import TunedFromBase, check_examples, export_tuned
 
 REFERENCE_VERSION = 1
 
@@ -203,7 +203,7 @@ def policy_model(base: TrainedModel, spec: DPOSpec) -> nn.Module:
     return apply_lora(model, spec.lora) if spec.method == "lora" else model
 
 
-class Preference(TunedOnPairs):
+class Preference(TunedFromBase):
     name = "dpo"
     version = 1
 

@@ -39,7 +39,7 @@ from training.stages.lifecycle import (
     trained_model,
     val_losses,
 )
-from training.stages.tuning import TunedOnPairs, check_examples
+from training.stages.tuning import TunedFromBase, check_examples
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def heldout_scores(
     }
 
 
-class RewardModelling(TunedOnPairs):
+class RewardModelling(TunedFromBase):
     name = "reward_model"
     version = 1
 

@@ -28,7 +28,7 @@ from data_pipeline.prompts import Prompt, PromptBatch, PromptLoader, PromptManif
 from data_pipeline.sft import padded_rows
 from data_pipeline.sources import DataError
 from infra.steps import Artifact
-from infra.storage import MANIFEST, atomic_write_json
+from infra.storage import atomic_write_json
 from infra.tracking import Tracker
 from training.config import RLSpec
 from training.engine import Engine
@@ -50,11 +50,10 @@ from training.stages.lifecycle import (
     Progress,
     TrainedModel,
     TrainingJob,
-    TrainingStage,
     read_metrics,
     run_training_stage,
 )
-from training.stages.tuning import export_tuned
+from training.stages.tuning import TunedFromBase, export_tuned
 
 SHOWN = 4  # held-out completions kept in samples.json, base and trained
 
@@ -245,12 +244,12 @@ def plot_reward_and_kl(run_dir: Path) -> Path:
     return path
 
 
-class ReinforcementLearning(TrainingStage):
+class ReinforcementLearning(TunedFromBase):
     name = "rl"
     version = 1
 
     def check(self, spec: RLSpec, inputs: Mapping[str, Artifact]) -> None:
-        base, prompts = inputs["base"], inputs["prompts"]
+        base, prompts = inputs["base"], inputs["data"]
         assert isinstance(base, TrainedModel) and isinstance(prompts, PromptManifest)
         if base.tokenizer_digest != prompts.tokenizer_digest:
             raise DataError(
@@ -279,22 +278,11 @@ class ReinforcementLearning(TrainingStage):
         return f"{spec.name}-{spec.baseline}-{spec.method}"
 
     def tags(self, spec: RLSpec, inputs: Mapping[str, Artifact]) -> dict[str, str]:
-        base, reward_model = inputs["base"], inputs.get("reward_model")
-        tags = {
-            "lmforge.base_run_id": str(base.mlflow_run_id),
-            "lmforge.base_run_dir": base.path,
-            "lmforge.data_digest": inputs["prompts"].digest(),
-            "lmforge.method": spec.method,
-        }
+        tags = {**super().tags(spec, inputs), "lmforge.method": spec.method}
+        reward_model = inputs.get("reward_model")
         if isinstance(reward_model, TrainedModel):
             tags["lmforge.reward_model_run_id"] = str(reward_model.mlflow_run_id)
         return tags
-
-    def log_inputs(self, inputs: Mapping[str, Artifact], tracker: Tracker) -> None:
-        tracker.log_artifact(Path(inputs["prompts"].path) / MANIFEST, "prompts")
-
-    def model_config(self, job: TrainingJob):  # noqa: ANN201 - ModelConfig
-        return load_hf_config(job.inputs["base"].hf_export)
 
     def build_model(self, job: TrainingJob) -> nn.Module:
         return policy_model(job.inputs["base"], job.spec)
@@ -302,7 +290,7 @@ class ReinforcementLearning(TrainingStage):
     def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
         spec = job.spec
         train = PromptLoader(
-            job.inputs["prompts"],
+            job.inputs["data"],
             "train",
             batch_size=spec.train.micro_batch_size,
             seed=spec.train.seed,
@@ -317,7 +305,7 @@ class ReinforcementLearning(TrainingStage):
         return Rewards(job.spec.rewards, export, job.spec.train.seq_len)
 
     def objective(self, job: TrainingJob) -> RLObjective:
-        base, prompts = job.inputs["base"], job.inputs["prompts"]
+        base, prompts = job.inputs["base"], job.inputs["data"]
         reference = load_export(base.hf_export).eval().requires_grad_(False) if job.spec.beta else None
         tokenizer = Tokenizer.from_file(str(Path(base.hf_export) / "tokenizer.json"))
         return RLObjective(
@@ -328,7 +316,7 @@ class ReinforcementLearning(TrainingStage):
         """The verified export; held-out reward before and after, the KL between them, samples and a plot."""
         spec: RLSpec = job.spec
         base: TrainedModel = job.inputs["base"]
-        prompts: PromptManifest = job.inputs["prompts"]
+        prompts: PromptManifest = job.inputs["data"]
         reference = load_export(base.hf_export)
         tuned = export_tuned(job, final, load_export(base.hf_export), spec.method, spec.lora, base.hf_export)
         records = prompts.records("heldout")[: spec.eval_prompts]
@@ -380,7 +368,7 @@ def run_rl(
     progress: Progress | None = None,
 ) -> TrainedModel:
     """RL of `base` on `prompts` against `spec.rewards` (the reward model's when they use it)."""
-    inputs: dict[str, Artifact] = {"base": base, "prompts": prompts}
+    inputs: dict[str, Artifact] = {"base": base, "data": prompts}
     if reward_model is not None:
         inputs["reward_model"] = reward_model
     return run_training_stage(REINFORCEMENT_LEARNING, spec, inputs, progress)

@@ -35,10 +35,10 @@ def check_examples(base: TrainedModel, data: Artifact, seq_len: int, what: str, 
         )
 
 
-class TunedOnPairs(TrainingStage):
-    """A stage that starts from a finished run (`inputs["base"]`) and trains on its preference pairs
-    (`inputs["data"]`), as DPO and the reward model do: their run tags, the data manifest they log, the base's
-    model config."""
+class TunedFromBase(TrainingStage):
+    """A stage that starts from a finished run (`inputs["base"]`) and trains on data encoded for it
+    (`inputs["data"]`: DPO's and the reward model's preference pairs, RL's prompts): their run tags, the data
+    manifest they log, the base's model config."""
 
     def tags(self, spec: Any, inputs: Mapping[str, Artifact]) -> dict[str, str]:
         base = inputs["base"]
