@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +118,31 @@ def test_prompt_sources_and_bad_records(tmp_path) -> None:
             read_prompts(bad)
     with pytest.raises(DataError, match="does not exist"):
         read_prompts(tmp_path / "none.jsonl")
+
+
+def test_prompts_are_encoded_up_to_the_assistant_header_and_long_ones_dropped(tokenized, tmp_path) -> None:
+    from data_pipeline.prompts import PromptLoader, run_prompt_data
+    from data_pipeline.tokenizer import describe
+
+    tok = describe(Path(tokenized[0].tokenizer.path))
+    long = Prompt([{"role": "user", "content": "word " * 200}])
+    prompts = [*digit_prompts(60), long]
+    manifest = run_prompt_data(
+        PromptsConfig(source="digits", heldout_fraction=0.2), prompts, tok, 40, tmp_path
+    )
+    assert (
+        manifest.counts["dropped_too_long"] == 1
+        and manifest.counts["train"] + manifest.counts["heldout"] == 60
+    )
+    assert manifest.end_of_turn_id == tok.load().token_to_id("<|end|>")
+    prompt, ids = manifest.records("train")[0]
+    assert ids == tok.load().encode(prompt_text(prompt.messages)).ids and len(ids) <= 40
+    loader = PromptLoader(manifest, batch_size=4, seed=1)
+    first = loader.next_batch()
+    state = loader.state_dict()
+    second = loader.next_batch()
+    again = PromptLoader(manifest, batch_size=4, seed=1)
+    again.load_state_dict(state)
+    assert again.next_batch() == second and first.n_targets() == 4  # resumable, deterministic
+    with pytest.raises(DataError, match="too few usable prompts"):
+        run_prompt_data(PromptsConfig(source="digits"), [long], tok, 40, tmp_path / "none")
