@@ -17,6 +17,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from data_pipeline.loader import IGNORE_INDEX
+
 LossType = Literal["grpo", "bnpo", "dr_grpo"]
 EPS = 1e-4  # TRL's, in the advantages' denominator
 
@@ -103,10 +105,10 @@ def sequence_kl(old_logps: Tensor, ref_logps: Tensor, mask: Tensor) -> Tensor:
     return ((old_logps - ref_logps) * mask.to(old_logps.dtype)).sum(-1)
 
 
-def token_logps(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+def token_logps(logits: Tensor, targets: Tensor) -> Tensor:
     """Per-token log-probabilities (B, T) of `targets` under `logits` (B, T, V), 0 where a target is ignored."""
     per_token = torch.nn.functional.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="none"
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
     return -per_token.view(targets.shape)
 

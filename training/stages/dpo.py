@@ -33,6 +33,7 @@ from training.model.hf_interop import load_export
 from training.model.lora import apply_lora
 from training.model.transformer import Transformer
 from training.objective import Outcome
+from training.policy_gradient import token_logps
 from training.stages.lifecycle import (
     Progress,
     TrainedModel,
@@ -49,11 +50,7 @@ REFERENCE_VERSION = 1
 
 def sequence_logps(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """Per row: the sum of the targets' log-probabilities over the positions that carry loss, and their count."""
-    per_token = F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view(targets.shape)
-    mask = targets != IGNORE_INDEX
-    return -(per_token * mask).sum(-1), mask.sum(-1)
+    return token_logps(logits, targets).sum(-1), (targets != IGNORE_INDEX).sum(-1)
 
 
 def pair_losses(

@@ -44,7 +44,7 @@ from training.policy_gradient import (
     token_entropy,
     token_logps,
 )
-from training.rewards import Rewards, Sample, Scores, check_terms
+from training.rewards import Rewards, Sample, check_terms
 from training.stages.dpo import policy_model
 from training.stages.lifecycle import (
     Progress,
@@ -53,7 +53,7 @@ from training.stages.lifecycle import (
     read_metrics,
     run_training_stage,
 )
-from training.stages.tuning import TunedFromBase, export_tuned
+from training.stages.tuning import TunedFromBase, check_tokenizer, export_tuned
 
 SHOWN = 4  # held-out completions kept in samples.json, base and trained
 
@@ -194,28 +194,28 @@ class RLObjective:
 
 
 @torch.no_grad()
-def heldout_rollouts(
+def heldout_rollout(
     policy: nn.Module,
-    reference: nn.Module,
     records: Sequence[tuple[Prompt, list[int]]],
-    rewards: Rewards,
     spec: RLSpec,
     tokenizer: Tokenizer,
     end_of_turn: int,
     pad_id: int,
-) -> tuple[Scores, float, list[Sample]]:
-    """One completion per held-out prompt from `policy` (a fixed seed: the same draws for any model): their
-    scores, the KL to `reference` per completion token (the mean log-ratio on the policy's own samples) and the
-    samples."""
+) -> Rollout:
+    """One completion per held-out prompt from `policy`, on a fixed seed (the same draws for any model)."""
     policy.eval()
     generator = torch.Generator().manual_seed(spec.train.seed)
     batch = PromptBatch([ids for _, ids in records], [prompt for prompt, _ in records])
-    sampled = rollout(policy, batch, 1, spec, tokenizer, end_of_turn, pad_id, generator)
+    return rollout(policy, batch, 1, spec, tokenizer, end_of_turn, pad_id, generator)
+
+
+@torch.no_grad()
+def kl_on_samples(policy: nn.Module, reference: nn.Module, sampled: Rollout) -> float:
+    """KL(policy ‖ reference) per completion token: the mean log-ratio on the policy's own samples."""
     inputs, targets = sampled.batch
     mask = targets != IGNORE_INDEX
     log_ratio = token_logps(policy(inputs).logits, targets) - token_logps(reference(inputs).logits, targets)
-    kl = float((log_ratio * mask).sum() / mask.sum().clamp(min=1))
-    return rewards.score(sampled.samples), kl, sampled.samples
+    return float((log_ratio * mask).sum() / mask.sum().clamp(min=1))
 
 
 def plot_reward_and_kl(run_dir: Path) -> Path:
@@ -251,11 +251,7 @@ class ReinforcementLearning(TunedFromBase):
     def check(self, spec: RLSpec, inputs: Mapping[str, Artifact]) -> None:
         base, prompts = inputs["base"], inputs["data"]
         assert isinstance(base, TrainedModel) and isinstance(prompts, PromptManifest)
-        if base.tokenizer_digest != prompts.tokenizer_digest:
-            raise DataError(
-                f"the base model was trained with tokenizer {base.tokenizer_digest[:16]}... but the prompts "
-                f"{prompts.path} were encoded with {prompts.tokenizer_digest[:16]}...; encode them with the base's"
-            )
+        check_tokenizer(base, prompts, "prompts")
         if prompts.max_prompt_tokens + spec.max_new_tokens > spec.train.seq_len:
             raise DataError(
                 f"prompts of up to {prompts.max_prompt_tokens} tokens plus rl.max_new_tokens={spec.max_new_tokens} "
@@ -322,8 +318,9 @@ class ReinforcementLearning(TunedFromBase):
         records = prompts.records("heldout")[: spec.eval_prompts]
         tokenizer = Tokenizer.from_file(str(Path(base.hf_export) / "tokenizer.json"))
         rewards, common = self.rewards(job), (tokenizer, prompts.end_of_turn_id, prompts.pad_id)
-        before, _, base_samples = heldout_rollouts(reference, reference, records, rewards, spec, *common)
-        after, kl, samples = heldout_rollouts(tuned.model, reference, records, rewards, spec, *common)
+        base_sampled = heldout_rollout(reference, records, spec, *common)
+        sampled = heldout_rollout(tuned.model, records, spec, *common)
+        before, after = rewards.score(base_sampled.samples), rewards.score(sampled.samples)
         trained = [m for m in read_metrics(job.run_dir) if "rewards/mean" in m]
         summary = {
             **tuned.counts("rl"),
@@ -331,14 +328,14 @@ class ReinforcementLearning(TunedFromBase):
             "rl/heldout_reward_after": float(after.total.mean()),
             **{f"rl/heldout_{name}_before": float(v.mean()) for name, v in before.by_function.items()},
             **{f"rl/heldout_{name}_after": float(v.mean()) for name, v in after.by_function.items()},
-            "rl/heldout_kl": kl,
+            "rl/heldout_kl": kl_on_samples(tuned.model, reference, sampled),
             "rl/train_reward_first": trained[0]["rewards/mean"],
             "rl/train_reward_last": trained[-1]["rewards/mean"],
             "export/max_abs_logit_diff": tuned.verification["max_abs_logit_diff"],
         }
         shown = [
             {"prompt": s.prompt.messages[-1]["content"], "base": b.text, "trained": s.text}
-            for b, s in zip(base_samples[:SHOWN], samples[:SHOWN], strict=True)
+            for b, s in zip(base_sampled.samples[:SHOWN], sampled.samples[:SHOWN], strict=True)
         ]
         atomic_write_json(job.run_dir / "samples.json", shown)
         atomic_write_json(job.run_dir / "rl_summary.json", summary)

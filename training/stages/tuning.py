@@ -21,13 +21,18 @@ from training.model.transformer import Transformer
 from training.stages.lifecycle import TrainedModel, TrainingJob, TrainingStage, trained_model
 
 
-def check_examples(base: TrainedModel, data: Artifact, seq_len: int, what: str, section: str) -> None:
-    """Encoded examples (SFT or preference pairs) must use the base's tokenizer and the stage's sequence length."""
+def check_tokenizer(base: TrainedModel, data: Artifact, what: str) -> None:
+    """Data encoded for a tuning stage (SFT examples, preference pairs, RL prompts) must use the base's tokenizer."""
     if base.tokenizer_digest != data.tokenizer_digest:
         raise DataError(
             f"the base model was trained with tokenizer {base.tokenizer_digest[:16]}... but the {what} {data.path} "
             f"was made with {data.tokenizer_digest[:16]}...; rebuild the {what} with the base's tokenizer"
         )
+
+
+def check_examples(base: TrainedModel, data: Artifact, seq_len: int, what: str, section: str) -> None:
+    """Encoded examples (SFT or preference pairs) must use the base's tokenizer and the stage's sequence length."""
+    check_tokenizer(base, data, what)
     if data.seq_len != seq_len:
         raise DataError(
             f"the {what} has seq_len={data.seq_len}, {section}.train.seq_len={seq_len}; rebuild it with the "
