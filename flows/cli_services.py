@@ -6,6 +6,8 @@ import argparse
 import contextlib
 import json
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
@@ -28,7 +30,8 @@ def prefect_api(state_dir: Path) -> Iterator[str]:
     saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
     os.environ.update(PREFECT_API_URL=f"{running.url}/api", **prefect_env(state_dir))
     try:
-        yield os.environ["PREFECT_API_URL"]
+        with exit_on_sigterm():  # a scheduler's SIGTERM still stops the server (it runs in its own session)
+            yield os.environ["PREFECT_API_URL"]
     finally:
         _drain_prefect_logs()  # send queued run logs while the server is still up
         stop(running)
@@ -37,6 +40,33 @@ def prefect_api(state_dir: Path) -> Iterator[str]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """Within the block, SIGTERM ends this process through SystemExit(143), so `finally` blocks run (by default it
+    ends at once). Training's own handler (training/preemption.py) takes over while a loop runs; a child forked
+    meanwhile keeps the default action; an ignored SIGTERM or another handler is left alone."""
+    owner = os.getpid()
+
+    def terminate(number: int, frame: object) -> None:
+        if os.getpid() != owner:
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+            return
+        raise SystemExit(128 + number)
+
+    if (
+        threading.current_thread() is not threading.main_thread()  # signals reach the main thread only
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # ignored, or someone else's handler
+    ):
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _drain_prefect_logs() -> None:

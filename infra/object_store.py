@@ -33,7 +33,7 @@ from infra.errors import UserError
 log = logging.getLogger(__name__)
 
 SCHEMES = ("s3", "gs", "abfs")
-ATTEMPTS = 5  # per operation; network errors are retried with exponential backoff
+ATTEMPTS = 5  # per operation (`$LMFORGE_STORAGE_ATTEMPTS`); network errors are retried with exponential backoff
 BLOCK = 8 << 20
 T = TypeVar("T")
 
@@ -66,6 +66,15 @@ def split_uri(uri: str) -> tuple[str, str, str]:
     return scheme, bucket, prefix.strip("/")
 
 
+def attempts(variable: str = "LMFORGE_STORAGE_ATTEMPTS", default: int = ATTEMPTS) -> int:
+    """How many times a store operation is tried on network errors (lmforge's retries, or with `AWS_MAX_ATTEMPTS`
+    the S3 client's own inside each of them)."""
+    text = os.environ.get(variable, str(default))
+    if not text.isdigit() or int(text) < 1:
+        raise StorageError(f"{variable}={text!r}: set a whole number of attempts, 1 or more")
+    return int(text)
+
+
 def _s3_filesystem(uri: str) -> pafs.FileSystem:
     env = os.environ
     if not env.get("AWS_ACCESS_KEY_ID") and not (
@@ -83,7 +92,7 @@ def _s3_filesystem(uri: str) -> pafs.FileSystem:
         "region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
         "connect_timeout": 5,
         "request_timeout": 60,
-        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=3),
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=attempts("AWS_MAX_ATTEMPTS", 3)),
     }
     if env.get("AWS_ACCESS_KEY_ID"):
         options |= {
@@ -165,7 +174,8 @@ class Store:
     def _retry(self, what: str, operation: Callable[[], T]) -> T:
         """`operation()`, retried on network errors; store errors become one line naming the fix."""
         scheme = self.uri.partition("://")[0]
-        for attempt in range(1, ATTEMPTS + 1):
+        limit = attempts()
+        for attempt in range(1, limit + 1):
             try:
                 return operation()
             except FileNotFoundError:
@@ -182,7 +192,7 @@ class Store:
                         f"{self.uri}: the store refused the credentials ({text.split(':')[-1].strip()[:80]}); "
                         f"check {_credential_variables(scheme)}"
                     ) from None
-                if not any(word in text for word in _TRANSIENT) or attempt == ATTEMPTS:
+                if not any(word in text for word in _TRANSIENT) or attempt == limit:
                     endpoint = {"s3": " and AWS_ENDPOINT_URL"}.get(scheme, "")
                     raise StorageError(
                         f"{self.url(what)}: {text.splitlines()[0][:160]} (after {attempt} attempt(s)); check the "

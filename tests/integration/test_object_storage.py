@@ -198,6 +198,9 @@ def test_bad_storage_settings_end_in_one_line(s3, case: str) -> None:
         from infra.services import free_port
 
         env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"
+        # one try of lmforge's (and of the S3 client's): the default 5 with backoff take ~13 s to give up
+        env |= {"LMFORGE_STORAGE_ATTEMPTS": "1", "AWS_MAX_ATTEMPTS": "1"}
+        expected = "(after 1 attempt(s)); check the network and AWS_ENDPOINT_URL"
     done = subprocess.run(
         lmforge_command(
             "tokenize", "smoke", "--set", f"output_dir={output}", "--set", "data.max_documents=5"

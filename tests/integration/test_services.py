@@ -3,8 +3,11 @@ socket their processes listen on is loopback, each UI answers, and `lmforge down
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -98,3 +101,32 @@ def test_up_refuses_a_public_bind_without_auth(tmp_path):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "refusing to bind prefect to 0.0.0.0" in result.stderr
     assert load_state(tmp_path) == []
+
+
+def test_sigterm_stops_the_temporary_prefect_server(tmp_path):
+    """`lmforge pipeline` without PREFECT_API_URL starts a Prefect server in its own session; a scheduler's
+    SIGTERM to the command must not leave that server running (it did: SIGTERM ended the command at once)."""
+    script = (
+        "import sys, time\nfrom pathlib import Path\nfrom flows.cli_services import prefect_api\n"
+        "with prefect_api(Path(sys.argv[1])) as url:\n    print(url, flush=True)\n    time.sleep(300)\n"
+    )
+    env = {k: v for k, v in clean_env().items() if not k.startswith("PREFECT_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    url = proc.stdout.readline().strip()
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    (server,) = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "server" in (p.info["cmdline"] or ()) and port in (p.info["cmdline"] or ())
+    ]
+    try:
+        assert _get(f"{url}/health")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+    finally:  # a failed check leaves nothing behind
+        for leftover in (proc, server):
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                leftover.kill()

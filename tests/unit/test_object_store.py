@@ -44,6 +44,14 @@ def test_network_errors_are_retried_then_reported_in_one_line(monkeypatch) -> No
 
     with pytest.raises(StorageError, match=r"after 5 attempt\(s\)\); check the network and AWS_ENDPOINT_URL"):
         store()._retry("x", down)
+    monkeypatch.setenv("LMFORGE_STORAGE_ATTEMPTS", "2")
+    calls.clear()
+    with pytest.raises(StorageError, match=r"after 2 attempt\(s\)"):
+        store()._retry("x", lambda: calls.append(1) or down())
+    assert len(calls) == 2
+    monkeypatch.setenv("LMFORGE_STORAGE_ATTEMPTS", "0")
+    with pytest.raises(StorageError, match="LMFORGE_STORAGE_ATTEMPTS='0': set a whole number of attempts"):
+        store()._retry("x", down)
 
 
 @pytest.mark.parametrize(
