@@ -33,7 +33,8 @@ from infra.errors import UserError
 log = logging.getLogger(__name__)
 
 SCHEMES = ("s3", "gs", "abfs")
-ATTEMPTS = 5  # per operation (`$LMFORGE_STORAGE_ATTEMPTS`); network errors are retried with exponential backoff
+# per operation (`$LMFORGE_STORAGE_ATTEMPTS`); network errors are retried with exponential backoff
+ATTEMPTS = 5
 BLOCK = 8 << 20
 T = TypeVar("T")
 
