@@ -12,6 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlflow
@@ -31,6 +32,8 @@ EVAL = ["eval.max_documents=20", "eval.builtin_questions=20", "data.sft.max_exam
 # the served pipeline sweeps as the demo does: one WSD run per size with decay branches at the smaller budgets
 # (3 trials for the smoke recipe's 7 points)
 MULTI_HORIZON = ["sweep.multi_horizon=true", "optim.schedule=wsd"]
+# the default rung, 3x the largest swept budget (6e10, ~680 steps), not the smoke recipe's target 1e11 (~1,100)
+RUNG = "sweep.target_budget=null"
 # two variants (torchao's int8, lmforge's GPTQ) of the seven tests/integration/test_compress.py makes
 VARIANTS = "compress.variants=[{method: int8-weight}, {method: gptq, bits: 4, group_size: 4}]"
 
@@ -38,9 +41,11 @@ VARIANTS = "compress.variants=[{method: int8-weight}, {method: gptq, bits: 4, gr
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
     state = tmp_path_factory.mktemp("services")
-    prefect = start_prefect(state, port=free_port())
     store = tmp_path_factory.mktemp("mlstore")
-    ml = start_mlflow(state, f"sqlite:///{store / 'mlflow.db'}", store / "artifacts", port=free_port())
+    with ThreadPoolExecutor(2) as pool:  # side by side, as `lmforge up` starts them
+        starting = pool.submit(start_prefect, state, port=free_port())
+        ml = start_mlflow(state, f"sqlite:///{store / 'mlflow.db'}", store / "artifacts", port=free_port())
+        prefect = starting.result()
     env = {**clean_env(), "PREFECT_API_URL": f"{prefect.url}/api", "LMFORGE_TRACKING_URI": ml.url}
     yield prefect, ml, env, state
     stop(ml, timeout=2)  # disposable servers: no need to wait for a graceful exit
@@ -86,7 +91,7 @@ def served_run(services, tmp_path_factory):
                 parameters={
                     "params": {
                         "recipe": "smoke",
-                        "overrides": smoke_overrides(out, *EVAL, *MULTI_HORIZON, VARIANTS),
+                        "overrides": smoke_overrides(out, *EVAL, *MULTI_HORIZON, RUNG, VARIANTS),
                         "dpo": True,
                         "distill": True,
                         "compress": True,
@@ -142,7 +147,7 @@ def test_mlflow_holds_the_lineage(served_run):
     sweep = children["sweep"]
     trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == sweep.info.run_id]
     plans, _ = plan_trials(
-        load_recipe("smoke", smoke_overrides(out, *EVAL, *MULTI_HORIZON, VARIANTS)).sweep_spec()
+        load_recipe("smoke", smoke_overrides(out, *EVAL, *MULTI_HORIZON, RUNG, VARIANTS)).sweep_spec()
     )
     assert len(plans) == 3 and len(trials) == len(plans)
     assert all(r.data.tags["prefect.flow_run_id"] == str(flow_run.id) for r in trials)
