@@ -134,6 +134,11 @@ class TrainConfig(BaseModel):
     spike_window: NonNegativeInt = 50
     spike_sigmas: PositiveFloat = 6.0
     spike_min_rise: NonNegativeFloat = 0.25
+    # roll-back: after `rollback_spikes` spikes within `rollback_window` steps the run reloads its newest checkpoint
+    # from before the first of them and goes on with the data after the last (the batches between are skipped), as
+    # PaLM and OPT did by hand; 0 disables
+    rollback_spikes: NonNegativeInt = 3
+    rollback_window: PositiveInt = 100
     # hangs: a step running longer than max(hang_min_seconds, hang_factor x the median step) ends the attempt with
     # every thread's stack in <run>/hang-rank<r>.txt (training/watchdog.py); hang_factor 0 turns it off
     hang_factor: NonNegativeFloat = 20.0

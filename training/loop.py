@@ -22,7 +22,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -71,6 +71,9 @@ class LoopState:
     spikes: int = 0
     # the losses of the last `train.spike_window` accepted steps (the spike detector's window)
     recent_losses: list[float] = field(default_factory=list)
+    # the steps of the spikes within the last `train.rollback_window` steps, and the roll-backs so far
+    spike_steps: list[int] = field(default_factory=list)
+    rollbacks: int = 0
 
 
 @dataclass(frozen=True)
@@ -290,7 +293,22 @@ def train_loop(
                     state.spikes += 1
                     skipped |= {"train/spikes": state.spikes, "train/spike_loss": outcome.spike}
                     log_spike(state.step, outcome.spike, limit, cfg.spike_window, train, setup.rank)
+                    state.spike_steps = [
+                        s for s in [*state.spike_steps, state.step] if s > state.step - cfg.rollback_window
+                    ]
                 log(skipped, state.step)
+                if outcome.spike is not None and 0 < cfg.rollback_spikes <= len(state.spike_steps):
+                    if pending is not None:
+                        finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
+                        pending = None
+                    rolled = roll_back(engine, train, setup, state)
+                    if rolled is not None:
+                        log(
+                            {"train/rollbacks": rolled.rollbacks, "train/rollback_to": rolled.step},
+                            state.step,
+                        )
+                        state = rolled
+                        continue
                 if state.consecutive_bad >= cfg.max_bad_steps:
                     what = "a loss spike" if outcome.spike is not None else "a non-finite loss"
                     raise TrainingHalted(
@@ -343,6 +361,68 @@ def train_loop(
     if final:
         log(final, state.step)
     return state
+
+
+MAX_ROLLBACKS = 10  # per run: a run that keeps spiking after this many roll-backs stops (TrainingHalted)
+
+
+def roll_back(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState) -> LoopState | None:
+    """Reload the newest checkpoint written before the first recent spike (weights, optimiser, RNG, counters) and
+    keep the loader where it is, so the batches trained since that checkpoint are skipped; None (and a warning)
+    when no such checkpoint is complete on every rank. Every rank decides alike: spikes are collective."""
+    checkpoints = setup.run_dir / "checkpoints"
+    if state.rollbacks >= MAX_ROLLBACKS:
+        raise TrainingHalted(
+            f"{state.rollbacks} roll-backs did not stop the loss spikes (the last at step {state.step}); lower "
+            f"optim.lr or check the data; the last good checkpoint is {ckpt.latest_checkpoint(checkpoints)}"
+        )
+    first = state.spike_steps[0]
+    before = [(step, path) for step, path in ckpt.complete_checkpoints(checkpoints) if step < first]
+    target = max(before)[0] if before else -1
+    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank must hold the same checkpoint
+        agreed = torch.tensor([target, -target], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        target = int(agreed[0]) if int(agreed[0]) == -int(agreed[1]) else -1
+    if target < 0 or setup.remote is not None or ckpt.damage(ckpt.step_dir(checkpoints, target)) is not None:
+        if setup.rank == 0:
+            log.warning(
+                "%d loss spikes since step %d but no checkpoint before them to roll back to%s: the steps were "
+                "skipped and training goes on",
+                len(state.spike_steps),
+                first,
+                " (not with a run directory on object storage)" if setup.remote is not None else "",
+            )
+        state.spike_steps = []
+        return None
+    checkpoint = ckpt.step_dir(checkpoints, target)
+    engine.load(checkpoint)
+    ckpt.set_rng_state(ckpt.load_rank_state(checkpoint, setup.rank)["rng"])
+    saved = LoopState(**ckpt.read_meta(checkpoint)["loop"])
+    barrier()
+    if (
+        setup.rank == 0
+    ):  # checkpoints of the abandoned steps: a resume must not pick them, pruning must not count them
+        for step, path in ckpt.complete_checkpoints(checkpoints):
+            if step > target:
+                ckpt.discard(path)
+    barrier()
+    if setup.rank == 0:
+        log.warning(
+            "rolled back from step %d to the checkpoint of step %d after %d loss spikes (steps %s); the batches "
+            "since are skipped, the loader goes on at %s",
+            state.step,
+            target,
+            len(state.spike_steps),
+            ", ".join(map(str, state.spike_steps)),
+            train.state_dict(),
+        )
+    return replace(
+        saved,
+        skipped_steps=state.skipped_steps,
+        spikes=state.spikes,
+        spike_steps=[],
+        rollbacks=state.rollbacks + 1,
+    )
 
 
 def log_spike(step: int, loss: float, limit: float | None, window: int, train: Batches, rank: int) -> None:

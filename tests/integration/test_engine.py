@@ -4,6 +4,7 @@ the non-finite-loss guard, activation checkpointing and the optimisers."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from training.loop import LoopSetup, LoopState, TrainingHalted, train_loop
 from training.model.config import MoEConfig
 from training.model.moe import MoE
 from training.model.transformer import ModelOutput, Transformer
+from training.objective import Outcome, TokenCrossEntropy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -138,6 +140,51 @@ def test_consecutive_non_finite_losses_halt_the_run(
         TrainingHalted, match=r"3 consecutive steps were skipped \(the last for a non-finite loss"
     ):
         run_steps(engine, recipe, manifest, tmp_path, steps=10)
+
+
+class SpikeAfter(TokenCrossEntropy):
+    """Cross-entropy ten times too large on the given calls (micro-batches): a corrupted batch."""
+
+    def __init__(self, poisoned: set[int]) -> None:
+        self.poisoned, self.calls = poisoned, 0
+
+    def __call__(self, engine, batch) -> Outcome:  # noqa: ANN001
+        self.calls += 1
+        out = super().__call__(engine, batch)
+        return replace(out, loss=out.loss * 10) if self.calls in self.poisoned else out
+
+
+class WeightsAt(NullTracker):
+    """The engine's weights when step `step` is logged and when a roll-back is."""
+
+    def __init__(self, engine, step: int) -> None:  # noqa: ANN001
+        self.engine, self.step, self.seen = engine, step, {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if step == self.step and "train/loss" in metrics:
+            self.seen["checkpointed"] = snapshot(self.engine)
+        if "train/rollbacks" in metrics:
+            self.seen["rolled back"] = snapshot(self.engine)
+
+
+def test_spikes_roll_the_engine_back_to_its_checkpoint(
+    tokenized: tuple[DatasetManifest, Path], tmp_path: Path
+) -> None:
+    """The DeepSpeed engine reloads its step-5 checkpoint mid-run when three steps spike (7-9, two
+    micro-batches per step), and trains on to the end."""
+    manifest, _ = tokenized
+    engine, recipe = engine_for(Transformer(load_recipe("smoke").model))
+    loader = PackedLoader(manifest, seq_len=recipe.train.seq_len, batch_size=recipe.train.micro_batch_size)
+    setup = LoopSetup(run_dir=tmp_path, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
+    train = recipe.train.model_copy(update={"max_steps": 10, "checkpoint_every": 5, "spike_window": 4})
+    tracker = WeightsAt(engine, 5)
+    state = train_loop(
+        engine, loader, None, train, recipe.optim, setup, tracker, LoopState(), SpikeAfter(set(range(13, 19)))
+    )
+    assert state.rollbacks == 1 and state.step == 10
+    assert all(
+        torch.equal(tracker.seen["checkpointed"][k], v) for k, v in tracker.seen["rolled back"].items()
+    )
 
 
 def losses_of(tmp_path: Path) -> list[float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from data_pipeline.loader import IGNORE_INDEX, Batch
 from infra.tracking import NullTracker
+from training import checkpoint as ckpt
 from training.config import OptimConfig, TrainConfig
 from training.engine import PlainEngine, loss_scale
 from training.loop import LoopSetup, LoopState, train_loop
@@ -324,7 +326,20 @@ class SpikeAt:
         return Outcome(out.loss * 10, out.aux_loss) if self.calls in self.poisoned else out
 
 
-def spiky_run(tmp_path: Path, poisoned: set[int], steps: int, **train: Any) -> tuple[PlainEngine, LoopState]:
+class CheckpointsAtRollBack(NullTracker):
+    """Records which checkpoints exist when a roll-back is logged."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.seen = root, []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if "train/rollbacks" in metrics:
+            self.seen.append(sorted(step for step, _ in ckpt.complete_checkpoints(self.root)))
+
+
+def spiky_run(
+    tmp_path: Path, poisoned: set[int], steps: int, tracker: NullTracker | None = None, **train: Any
+) -> tuple[PlainEngine, LoopState]:
     """SGD on one repeated batch (a smoothly falling loss) with the loss spiking on the `poisoned` calls."""
     generator = torch.Generator().manual_seed(0)
     batch = Batch(
@@ -333,13 +348,13 @@ def spiky_run(tmp_path: Path, poisoned: set[int], steps: int, **train: Any) -> t
     model = Transformer(CFG, seed=1)
     engine = PlainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_clip=0.0)
     optim = OptimConfig(lr=0.1, warmup_steps=0, schedule="constant", grad_clip=0.0)
-    settings = {"spike_window": 10, **train}
-    cfg = TrainConfig(seq_len=8, micro_batch_size=2, max_steps=steps, checkpoint_every=1000, **settings)
+    settings = {"spike_window": 10, "checkpoint_every": 1000, **train}
+    cfg = TrainConfig(seq_len=8, micro_batch_size=2, max_steps=steps, **settings)
     tmp_path.mkdir(parents=True)
     setup = LoopSetup(run_dir=tmp_path, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
-    state = train_loop(
-        engine, Fixed([batch] * steps), None, cfg, optim, setup, NullTracker(), LoopState(), SpikeAt(poisoned)
-    )
+    batches = Fixed([batch] * 2 * steps)  # a roll-back trains some steps again, on later batches
+    tracker = tracker or NullTracker()
+    state = train_loop(engine, batches, None, cfg, optim, setup, tracker, LoopState(), SpikeAt(poisoned))
     return engine, state
 
 
@@ -368,6 +383,43 @@ def test_a_loss_spike_is_skipped_and_logged(tmp_path: Path, caplog) -> None:
     )
     with pytest.raises(TrainingHalted, match=r"3 consecutive steps were skipped \(the last for a loss spike"):
         spiky_run(tmp_path / "halted", {12, 13, 14}, 14, max_bad_steps=3)
+
+
+def test_repeated_spikes_roll_back_to_the_checkpoint_before_them(tmp_path: Path, caplog) -> None:
+    """Spikes at steps 12, 16 and 17 (three within the window): the run reloads step 10's checkpoint (the newest
+    before the first spike; step 15's belongs to the abandoned steps and is discarded) and trains steps 11-20
+    again on the batches after step 17's. The batches are all alike, so it ends where an unspiked run ends; with
+    roll-back off the three skipped steps leave it elsewhere."""
+    caplog.set_level(logging.WARNING, logger="training.loop")
+    clean, _ = spiky_run(tmp_path / "clean", set(), 20)
+    settings = {"checkpoint_every": 5, "rollback_window": 10}
+    seen = CheckpointsAtRollBack(tmp_path / "rolled" / "checkpoints")
+    rolled, state = spiky_run(tmp_path / "rolled", {12, 16, 17}, 20, seen, **settings)
+    assert state.rollbacks == 1 and state.spikes == 3 and state.step == 20
+    assert seen.seen == [[10]]  # step 15's checkpoint (abandoned steps) is gone, a resume cannot pick it
+    final = tmp_path / "rolled" / "checkpoints" / f"step-{20:08d}"
+    assert (
+        ckpt.load_rank_state(final, 0)["loader"]["position"] == 17 + 10
+    )  # batches 11-17 skipped, not repeated
+    assert all(
+        torch.equal(a, b) for a, b in zip(clean.module.parameters(), rolled.module.parameters(), strict=True)
+    )
+    assert "rolled back from step 17 to the checkpoint of step 10 after 3 loss spikes (steps 12, 16, 17)" in (
+        caplog.text
+    )
+    records = [json.loads(line) for line in (tmp_path / "rolled" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/rollback_to"]) for r in records if "train/rollbacks" in r] == [(17, 10)]
+    steps = [r["step"] for r in records if "train/loss" in r]  # 11 and 13-15 were trained twice
+    assert steps == [*range(1, 12), 13, 14, 15, *range(11, 21)]
+    for step in (15, 20):  # written after the roll-back, from the reloaded state
+        meta = json.loads(
+            (tmp_path / "rolled" / "checkpoints" / f"step-{step:08d}" / "meta.json").read_text()
+        )
+        assert meta["loop"]["rollbacks"] == 1
+    off, _ = spiky_run(tmp_path / "off", {12, 16, 17}, 20, rollback_spikes=0, **settings)
+    assert not all(
+        torch.equal(a, b) for a, b in zip(clean.module.parameters(), off.module.parameters(), strict=True)
+    )
 
 
 def _step_on_two_ranks(rank: int, port: int, out: str) -> None:
