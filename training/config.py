@@ -139,6 +139,11 @@ class TrainConfig(BaseModel):
     # PaLM and OPT did by hand; 0 disables
     rollback_spikes: NonNegativeInt = 3
     rollback_window: PositiveInt = 100
+    # stragglers: every `straggler_window` steps the ranks compare their local work per step (drawing micro-batches
+    # and forward passes, where no collective waits); a rank `straggler_factor` times slower than the median rank is
+    # named in a warning (0 disables; `perf/straggler_ratio` and `perf/slowest_rank` are logged either way)
+    straggler_window: NonNegativeInt = 100
+    straggler_factor: float = Field(default=1.25, gt=1.0)
     # hangs: a step running longer than max(hang_min_seconds, hang_factor x the median step) ends the attempt with
     # every thread's stack in <run>/hang-rank<r>.txt (training/watchdog.py); hang_factor 0 turns it off
     hang_factor: NonNegativeFloat = 20.0

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import shutil
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -145,6 +146,7 @@ class StepOutcome:
     grad_norm: float
     metrics: dict[str, float]
     spike: float | None = None
+    local_s: float = 0.0  # this rank's own work: drawing the micro-batches and the forward passes
 
 
 def spike_limit(recent: list[float], cfg: TrainConfig) -> float | None:
@@ -170,14 +172,18 @@ def optimizer_step(
     micro-batch whose loss (its mean over the ranks) exceeds `spike_above` is not back-propagated and the step is
     taken at learning rate 0, as for a non-finite loss."""
     accumulation = engine.accumulation_steps
+    started = time.perf_counter()
     micro_batches = [train.next_batch() for _ in range(accumulation)]
+    local_s = time.perf_counter() - started
     counts = [objective.units(batch) for batch in micro_batches]
     n_global = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.float64, device=engine.device)))
     losses, bad, spike = [], False, None
     stats: list[RouterStats] = []
     extra: dict[str, list[Tensor]] = {}
     for batch, n in zip(micro_batches, counts, strict=True):
+        started = time.perf_counter()
         outcome = objective(engine, batch)
+        local_s += time.perf_counter() - started
         weight = loss_scale(n, n_global, accumulation, world_size) if n else 0.0
         weighted = outcome.loss * weight if n else zero_loss(engine.module)
         loss = weighted + outcome.aux_loss
@@ -206,13 +212,13 @@ def optimizer_step(
     # the step happens either way (ranks stay in lockstep); at learning rate 0 it moves no weight
     grad_norm = engine.step(0.0 if bad else lr)
     if bad:
-        return StepOutcome(None, grad_norm, {}, spike)
+        return StepOutcome(None, grad_norm, {}, spike, local_s)
     metrics = {
         **router_metrics(stats),
         **{name: float(all_reduce_mean(torch.stack(values).mean())) for name, values in extra.items()},
     }
     loss = float(all_reduce_mean(torch.stack(losses).mean())) if losses else float("nan")
-    return StepOutcome(loss, grad_norm, metrics)
+    return StepOutcome(loss, grad_norm, metrics, local_s=local_s)
 
 
 def train_loop(
@@ -252,6 +258,7 @@ def train_loop(
         return metrics
 
     pending: PendingCheckpoint | None = None
+    local_times: list[float] = []  # this rank's own work per step since the last straggler report
     watchdog = Watchdog(setup.run_dir, setup.rank, cfg.hang_factor, cfg.hang_min_seconds)
     with stop_on_signals() as stop, contextlib.closing(watchdog):
         while state.step < cfg.max_steps:
@@ -283,6 +290,10 @@ def train_loop(
             watchdog.disarm(elapsed)
             state.step += 1
             state.tokens += tokens_per_step
+            local_times.append(outcome.local_s)
+            if cfg.straggler_window and setup.world_size > 1 and state.step % cfg.straggler_window == 0:
+                log(straggler_report(local_times, cfg.straggler_factor, state.step, setup.rank), state.step)
+                local_times = []
 
             # --- log
             if outcome.loss is None:
@@ -361,6 +372,31 @@ def train_loop(
     if final:
         log(final, state.step)
     return state
+
+
+def straggler_report(local_times: list[float], factor: float, step: int, rank: int) -> dict[str, float]:
+    """All ranks: compare the ranks' median local work per step over the window; the slowest rank's ratio to the
+    median rank, and on rank 0 a warning naming it (and its host) when that ratio reaches `factor`. A collective."""
+    mine = (float(torch.tensor(local_times).median()) if local_times else 0.0, socket.gethostname())
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    medians = [seconds for seconds, _ in everyone]
+    slowest = max(range(len(medians)), key=medians.__getitem__)
+    typical = float(torch.tensor(medians).median())
+    ratio = medians[slowest] / typical if typical > 0 else 1.0
+    if rank == 0 and ratio >= factor:
+        log.warning(
+            "rank %d (%s) is a straggler: its own work per step (micro-batches and forward passes) took %.1fx "
+            "the median rank's (%.3f s vs %.3f s) over the %d steps to step %d; check that node's load and data",
+            slowest,
+            everyone[slowest][1],
+            ratio,
+            medians[slowest],
+            typical,
+            len(local_times),
+            step,
+        )
+    return {"perf/straggler_ratio": ratio, "perf/slowest_rank": float(slowest)}
 
 
 MAX_ROLLBACKS = 10  # per run: a run that keeps spiking after this many roll-backs stops (TrainingHalted)

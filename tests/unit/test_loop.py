@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -457,3 +458,67 @@ def test_ranks_without_a_loss_take_part_in_the_spike_check(tmp_path: Path) -> No
     mp.start_processes(_step_on_two_ranks, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert outcomes[0] == outcomes[1] and outcomes[0]["spike"] is None and outcomes[0]["loss"] is not None
+
+
+class SlowRank(TokenCrossEntropy):
+    """Cross-entropy, with `delay` seconds of extra work in each of the first `calls` forward passes (a slow node)."""
+
+    def __init__(self, delay: float, calls: int) -> None:
+        self.delay, self.calls = delay, calls
+
+    def __call__(self, engine: PlainEngine, batch: Batch) -> Outcome:
+        if self.calls > 0:
+            self.calls -= 1
+            time.sleep(self.delay)
+        return super().__call__(engine, batch)
+
+
+def _train_on_two_ranks(rank: int, port: int, out: str) -> None:
+    """Eight steps on two gloo ranks, rank 1 0.2 s slower per forward pass in the first four; rank 0 logs to `out`."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    logging.basicConfig(filename=Path(out, f"rank{rank}.log"), level=logging.WARNING)
+    generator = torch.Generator().manual_seed(rank)
+    batch = Batch(
+        torch.randint(0, 64, (2, 8), generator=generator), torch.randint(0, 64, (2, 8), generator=generator)
+    )
+    model = Transformer(CFG, seed=1)
+    engine = PlainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_clip=0.0)
+    optim = OptimConfig(lr=0.1, warmup_steps=0, schedule="constant", grad_clip=0.0)
+    cfg = TrainConfig(
+        seq_len=8,
+        micro_batch_size=2,
+        max_steps=8,
+        checkpoint_every=1000,
+        straggler_window=4,
+        straggler_factor=10,
+    )
+    setup = LoopSetup(run_dir=Path(out), rank=rank, world_size=2, flops_per_token=1, peak_flops=1.0, meta={})
+    objective = SlowRank(0.2 if rank == 1 else 0.0, calls=4)
+    train_loop(engine, Fixed([batch] * 8), None, cfg, optim, setup, NullTracker(), LoopState(), objective)
+    dist.destroy_process_group()
+
+
+def test_a_rank_slower_than_the_others_is_named(tmp_path: Path) -> None:
+    """Rank 1 sleeps 0.2 s in each forward pass of steps 1-4 (its peer waits for it in the gradient all-reduce, so
+    both ranks' steps take as long): the report at step 4 names it, the one at step 8 (both alike) nobody."""
+    import torch.multiprocessing as mp
+
+    from infra.services import free_port
+
+    mp.start_processes(_train_on_two_ranks, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    reports = {
+        r["step"]: (r["perf/slowest_rank"], r["perf/straggler_ratio"])
+        for r in records
+        if "perf/slowest_rank" in r
+    }
+    assert set(reports) == {4, 8} and reports[4][0] == 1 and reports[4][1] > 10 and reports[8][1] < 10, (
+        reports
+    )
+    warnings = [line for line in (tmp_path / "rank0.log").read_text().splitlines() if "straggler" in line]
+    assert len(warnings) == 1 and "rank 1 (" in warnings[0] and "to step 4" in warnings[0], warnings
