@@ -43,7 +43,7 @@ from training.engine import Engine, loss_scale
 from training.model.moe import RouterStats
 from training.objective import Objective, TokenCrossEntropy
 from training.optim.optimizers import decay_start, lr_at
-from training.preemption import stop_on_signals
+from training.preemption import StopRequest, stop_on_signals
 from training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -351,7 +351,7 @@ def train_loop(
 
             # --- checkpoint (with async_checkpoint the previous one is completed first, this one at the next);
             # a stop request (SIGTERM, SIGINT) checkpoints now, waits for it, and ends the run
-            stopping = stop.signal is not None
+            stopping = stop_requested(stop, setup.world_size, engine.device)
             if state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps or stopping:
                 tracker.flush()  # a resume from this checkpoint never re-logs what went before it: it must be sent
                 if pending is not None:
@@ -362,7 +362,7 @@ def train_loop(
                     pending = None
                 if stopping:
                     raise Preempted(
-                        f"{stop.signal} at step {state.step}: training stopped after writing the checkpoint "
+                        f"{stop.reason()} at step {state.step}: training stopped after writing the checkpoint "
                         f"{written}; rerun the same command to resume from it"
                     )
 
@@ -372,6 +372,16 @@ def train_loop(
     if final:
         log(final, state.step)
     return state
+
+
+def stop_requested(stop: StopRequest, world_size: int, device: torch.device) -> bool:
+    """Whether to stop after this step; with a stop file and several ranks, all ranks agree (a collective)."""
+    asked = stop.reason() is not None
+    if stop.file is not None and world_size > 1:
+        asked = bool(all_reduce_sum(torch.tensor(float(asked), device=device)) > 0)
+        if asked and stop.signal is None:
+            stop.signal = f"a stop request ({stop.file})"
+    return asked
 
 
 def straggler_report(local_times: list[float], factor: float, step: int, rank: int) -> dict[str, float]:

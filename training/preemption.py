@@ -2,34 +2,47 @@
 process's main thread (an `lmforge` launch training in-process), the first SIGTERM or SIGINT asks it to stop after
 the current step: it writes a checkpoint there and raises `Preempted`, which ends the command in one line (exit 2)
 with the MLflow run KILLED, and the same command resumes from that checkpoint. A second signal stops at once, as
-without the handler. Ray Train runs a worker's loop in a thread of its own, where signals are not delivered."""
+without the handler. Ray runs a sweep trial's loop in a thread of its own, where signals are not delivered: the
+sweep's driver creates a stop file on the signal instead, which the loop of a process given its path in
+`$LMFORGE_STOP_FILE` checks after every step."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 
 log = logging.getLogger(__name__)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class StopRequest:
-    """The signal that asked training to stop (its name), or None."""
+STOP_FILE = "LMFORGE_STOP_FILE"
 
-    def __init__(self) -> None:
+
+class StopRequest:
+    """What asked training to stop: a signal (its name), the stop file's appearance, or nothing (None)."""
+
+    def __init__(self, file: Path | None = None) -> None:
         self.signal: str | None = None
+        self.file = file
+
+    def reason(self) -> str | None:
+        if self.signal is None and self.file is not None and self.file.exists():
+            self.signal = f"a stop request ({self.file})"
+        return self.signal
 
 
 @contextmanager
-def stop_on_signals() -> Iterator[StopRequest]:
+def stop_on_signals(on_stop: Callable[[], None] | None = None) -> Iterator[StopRequest]:
     """Within the block, SIGTERM and SIGINT (unless ignored) set the yielded request instead of ending the process
-    (the first one; the second gets the handler that was there before). Outside the main thread: a request nothing
-    sets."""
-    request = StopRequest()
+    (the first one, after calling `on_stop`; the second gets the handler that was there before). Outside the main
+    thread: a request only the stop file named in `$LMFORGE_STOP_FILE` sets."""
+    request = StopRequest(Path(os.environ[STOP_FILE]) if os.environ.get(STOP_FILE) else None)
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
@@ -42,6 +55,9 @@ def stop_on_signals() -> Iterator[StopRequest]:
             signal.raise_signal(number)
             return
         request.signal = signal.Signals(number).name
+        if on_stop is not None:
+            on_stop()
+            return
         log.warning(
             "%s: training stops after this step, once its checkpoint is written (send it again to stop now)",
             request.signal,

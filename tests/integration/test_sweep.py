@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import mlflow
@@ -11,7 +15,7 @@ import pytest
 from data_pipeline.tokenize import run_tokenize
 from flows.recipe import load_recipe
 from infra.tracking import tracking_uri
-from tests.pretrain_helpers import cli, smoke_overrides, with_sets
+from tests.pretrain_helpers import clean_env, lmforge_command, smoke_overrides, with_sets
 from training.stages.sweep import plan_trials, run_sweep
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -152,10 +156,41 @@ def test_asha_stops_poor_learning_rates_early(tmp_path):
     assert any(r["status"] == "completed" and r["lr"] == 3e-3 for r in rows)
 
 
-def test_cli_sweep_runs_new_trials_with_a_live_progress_bar(sweep_setup):
-    """`lmforge sweep` hands Tune a callback wrapping a rich progress bar (which cannot be pickled)."""
+def test_cli_sweep_stops_its_trials_at_a_checkpoint_and_the_rerun_finishes_them(sweep_setup):
+    """SIGTERM to `lmforge sweep` (its live progress bar, a rich bar in a Tune callback, cannot be pickled: it runs):
+    the running trial (a Ray actor's thread, which signals never reach) checkpoints after its current step and the
+    command ends in one line; the rerun resumes the trial from that checkpoint, every step trained once."""
     recipe, _, _, _ = sweep_setup
-    overrides = smoke_overrides(Path(recipe.output_dir), "sweep.budgets=[2e10]", "sweep.depths=[2]")
-    result = cli("sweep", "smoke", *with_sets(overrides))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "(1 completed, 0 stopped early)" in result.stdout
+    out = Path(recipe.output_dir)
+    args = lmforge_command(
+        "sweep", "smoke", *with_sets(smoke_overrides(out, "sweep.budgets=[1e11]", "sweep.depths=[2]"))
+    )
+    sweep = subprocess.Popen(args, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "pretrain"
+    deadline = time.monotonic() + 300
+    while (
+        sum(
+            '"train/loss"' in line
+            for f in metrics.glob("smoke-sweep-C1e11-*/metrics.jsonl")
+            for line in f.open()
+        )
+        < 10
+    ):
+        assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()[1][-3000:]
+        time.sleep(0.2)
+    signalled = time.monotonic()
+    sweep.send_signal(signal.SIGTERM)
+    _, stderr = sweep.communicate(timeout=120)
+    print(f"SIGTERM to exit: {time.monotonic() - signalled:.1f} s")
+    errors = [line for line in stderr.splitlines() if line.startswith("lmforge: error:")]
+    assert sweep.returncode == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert len(errors) == 1 and "SIGTERM: the sweep stopped with 0 of 1 trials finished" in errors[0], errors
+    (run,) = metrics.glob("smoke-sweep-C1e11-*")
+    checkpoints = [int(c.parent.name[5:]) for c in run.glob("checkpoints/step-*/COMPLETE")]
+    assert checkpoints and max(checkpoints) < 248 and not (run / "manifest.json").exists()
+    # the rerun: the function the command calls, here (the launch's own path ran above, up to the stop)
+    rerun = load_recipe("smoke", smoke_overrides(out, "sweep.budgets=[1e11]", "sweep.depths=[2]"))
+    result = run_sweep(rerun.sweep_spec(), run_tokenize(rerun.data, rerun.output_dir))
+    assert result.n_trials == result.n_completed == 1
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").open() if '"train/loss"' in line]
+    assert steps == list(range(1, 249))

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.shards import DatasetManifest
 from infra.config import override
+from infra.errors import Preempted
 from infra.object_store import is_remote
 from infra.ray_cluster import ensure_ray
 from infra.steps import Artifact, Step, run_step
@@ -36,6 +37,7 @@ from training.config import PretrainSpec, SweepConfig, SweepSpec
 from training.loop import TrainingHalted
 from training.model.accounting import count_parameters
 from training.optim.optimizers import decay_start
+from training.preemption import STOP_FILE, stop_on_signals
 from training.sizing import RunShape, count_n, run_shape, sized_model
 from training.stages.lifecycle import TrainedModel, read_metrics, training_step
 from training.stages.pretrain import PRETRAIN, run_pretrain
@@ -228,8 +230,11 @@ def _last_train_loss(run_dir: str) -> float | None:
     return losses[-1] if losses else None
 
 
-def _trainable(config: dict[str, Any], specs: list[tuple[str, str]], data: str, report_every: int) -> None:
-    """One Tune trial: a full `run_pretrain`, reporting the training loss every few steps (ASHA's signal)."""
+def _trainable(
+    config: dict[str, Any], specs: list[tuple[str, str]], data: str, report_every: int, stop_file: str
+) -> None:
+    """One Tune trial: a full `run_pretrain`, reporting the training loss every few steps (ASHA's signal). When the
+    driver is asked to stop, it creates `stop_file`: the run checkpoints after its current step and ends."""
     from ray import tune
 
     # a trial is a fresh one-process run: drop process-group variables inherited from the driver's environment
@@ -249,8 +254,15 @@ def _trainable(config: dict[str, Any], specs: list[tuple[str, str]], data: str, 
 
     t0 = time.perf_counter()
     train_tokens = manifest.splits["train"].n_tokens
+    os.environ[STOP_FILE] = stop_file  # the loop checks it after every step (signals reach the driver only)
+    if Path(stop_file).exists():  # asked to stop before this trial started: leave it to the rerun
+        tune.report({"step": 0, "train_loss": float("nan"), "preempted": "not started"})
+        return
     try:
         ref = run_pretrain(spec, manifest, progress=report)
+    except Preempted as stopped:
+        tune.report({"step": 0, "train_loss": last["loss"] or float("nan"), "preempted": str(stopped)})
+        return
     except TrainingHalted as halted:  # diverged: a row without a loss, kept out of the fits
         log.warning("sweep trial %s diverged: %s", plan.name, halted)
         rows = trial_rows(plan, None, time.perf_counter() - t0, "diverged", last["loss"], train_tokens)
@@ -398,11 +410,14 @@ def _run_trials(
         if sweep.scheduler == "asha"
         else FIFOScheduler()
     )
+    stop_file = (sweep_dir / "STOP").resolve()
+    stop_file.unlink(missing_ok=True)  # left by an earlier, stopped attempt
     trainable = tune.with_parameters(
         _trainable,
         specs=[(p.model_dump_json(), t.model_dump_json()) for p, t in todo],
         data=data.model_dump_json(),
         report_every=sweep.report_every,
+        stop_file=str(stop_file),
     )
     os.environ.setdefault(
         "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1"
@@ -424,19 +439,46 @@ def _run_trials(
             callbacks=[_progress_callback(progress, len(rows), total)] if progress else None,
         ),
     )
+
+    def ask_trials_to_stop() -> None:
+        stop_file.touch()
+        log.warning(
+            "the sweep's running trials stop after their current step, once it is checkpointed; trials not "
+            "started are left for the rerun (send the signal again to stop now)"
+        )
+
     t0 = time.perf_counter()
-    grid = tuner.fit()
+    tune_handler = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # Ctrl-C too: the trials checkpoint rather than die
+    try:
+        with stop_on_signals(ask_trials_to_stop) as stop:
+            grid = tuner.fit()
+    finally:
+        if tune_handler is None:
+            os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER")
+        else:
+            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = tune_handler
     wall, trial_seconds = time.perf_counter() - t0, 0.0
+    stopped = []
     for result in grid:
         plan = todo[result.config["trial"]][0]
         metrics = result.metrics or {}
-        if "rows" in metrics:
+        if "preempted" in metrics or (stop.signal and "rows" not in metrics):
+            stopped.append(plan.name)
+        elif "rows" in metrics:
             rows[plan.name] = metrics["rows"]
             trial_seconds += metrics["rows"][-1]["wall_seconds"]
         elif result.error is None:  # stopped by the scheduler
             rows[plan.name] = trial_rows(plan, None, 0.0, "stopped", metrics.get("train_loss"), 0)
         else:
             raise RuntimeError(f"sweep trial {plan.name} failed: {result.error}") from result.error
+    if (
+        stop.signal is not None and len(rows) < total
+    ):  # (a signal after the last trial finished stops nothing)
+        raise Preempted(
+            f"{stop.signal}: the sweep stopped with {len(rows)} of {total} trials finished; "
+            f"{', '.join(stopped) or 'none'} stopped at a checkpoint; rerun the same command to resume them"
+        )
     return wall, trial_seconds
 
 
