@@ -5,15 +5,18 @@ The only module that imports `ray.train`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from infra.errors import Preempted
 from infra.object_store import Store
 from infra.ray_cluster import ensure_ray
 from training.config import ParallelConfig
+from training.preemption import STOP_FILE, stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +48,15 @@ def run_workers(
         resources_per_worker=None if use_gpu else {"CPU": 1},
         placement_strategy=placement,
     )
+    # signals reach this process only: on one, the workers' loops find the stop file, checkpoint and return
+    stop_file = None if isinstance(storage, Store) else (storage / "STOP").resolve()
+    if stop_file is not None:
+        stop_file.parent.mkdir(parents=True, exist_ok=True)
+        for stale in (stop_file, stop_file.with_suffix(".done")):
+            stale.unlink(missing_ok=True)
     trainer = (_without_pg_cleaner(TorchTrainer) if private else TorchTrainer)(
-        worker,
-        train_loop_config=spec,
+        _stoppable,
+        train_loop_config={**spec, "worker": worker, "stop_file": str(stop_file) if stop_file else None},
         scaling_config=scaling,
         run_config=RunConfig(
             storage_path=storage.key("ray") if isinstance(storage, Store) else str(storage.resolve()),
@@ -57,7 +66,35 @@ def run_workers(
         ),
     )
     log.info("launching %d Ray Train workers (gpu=%s)", workers, use_gpu)
-    trainer.fit()
+    if stop_file is None:  # a run directory on object storage: no stop file the workers all see
+        trainer.fit()
+        return
+
+    def ask_workers_to_stop() -> None:
+        stop_file.touch()
+        log.warning(
+            "the workers stop after this step, once its checkpoint is written (send it again to stop now)"
+        )
+
+    with stop_on_signals(ask_workers_to_stop) as stop:
+        trainer.fit()
+    if stop_file.with_suffix(".done").exists():
+        raise Preempted(
+            f"{stop.signal}: the {workers} workers stopped after writing a checkpoint under {stop_file.parent.parent}; "
+            "rerun the same command to resume from it"
+        )
+
+
+def _stoppable(config: dict[str, Any]) -> None:
+    """A Ray Train worker: `config["worker"](config)`, which watches `config["stop_file"]` after every step; a
+    worker stopped by it returns normally (an error would make Ray Train restart the group) and leaves a mark."""
+    if config["stop_file"]:
+        os.environ[STOP_FILE] = config["stop_file"]
+    try:
+        config["worker"](config)
+    except Preempted:
+        if config["stop_file"]:
+            Path(config["stop_file"]).with_suffix(".done").touch()
 
 
 def _without_pg_cleaner(trainer: type) -> type:
