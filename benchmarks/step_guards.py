@@ -1,6 +1,8 @@
 """What the training loop's guards cost per step: the loss-spike detector (one all-reduced scalar per micro-batch
-and a window's mean and deviation per step) and the hang watchdog (a timer armed and cancelled per step), against
-the same loop with both off (`train.spike_window=0`, `train.hang_factor=0`), in one run, one JSON line.
+and a window's mean and deviation per step; its roll-back only acts on spikes), the hang watchdog (a timer armed
+and cancelled per step), the straggler timing (two clock reads per micro-batch) and the stop-file check, against the
+same loop with them off (`train.spike_window=0`, `rollback_spikes=0`, `hang_factor=0`, `straggler_window=0`), in
+one run, one JSON line.
 
 The model is the demo's (train_throughput.py's `demo` shape) in the plain-PyTorch engine on one repeated batch;
 runs alternate, `--repeats` times each, and each run's wall time per step (logging included) counts (the best of
@@ -48,7 +50,8 @@ def median_step(guarded: bool, steps: int) -> float:
     model = Transformer(cfg, seed=0)
     engine = PlainEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), 1, grad_clip=1.0)
     (batch,) = batches(cfg, seq, micro, 1, torch.device("cpu"))
-    guards = {} if guarded else {"spike_window": 0, "hang_factor": 0.0}
+    off = {"spike_window": 0, "rollback_spikes": 0, "hang_factor": 0.0, "straggler_window": 0}
+    guards = {} if guarded else off
     train = TrainConfig(
         seq_len=seq, micro_batch_size=micro, max_steps=steps, checkpoint_every=10**6, **guards
     )
