@@ -426,7 +426,7 @@ def roll_back(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState
     before = [(step, path) for step, path in ckpt.complete_checkpoints(checkpoints) if step < first]
     target = max(before)[0] if before else -1
     if dist.is_initialized() and dist.get_world_size() > 1:  # every rank must hold the same checkpoint
-        agreed = torch.tensor([target, -target], dtype=torch.int64)
+        agreed = torch.tensor([target, -target], dtype=torch.int64, device=engine.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         target = int(agreed[0]) if int(agreed[0]) == -int(agreed[1]) else -1
     if target < 0 or setup.remote is not None or ckpt.damage(ckpt.step_dir(checkpoints, target)) is not None:
@@ -445,9 +445,8 @@ def roll_back(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState
     ckpt.set_rng_state(ckpt.load_rank_state(checkpoint, setup.rank)["rng"])
     saved = LoopState(**ckpt.read_meta(checkpoint)["loop"])
     barrier()
-    if (
-        setup.rank == 0
-    ):  # checkpoints of the abandoned steps: a resume must not pick them, pruning must not count them
+    # the checkpoints of the abandoned steps: a resume must not pick them, pruning must not count them
+    if setup.rank == 0:
         for step, path in ckpt.complete_checkpoints(checkpoints):
             if step > target:
                 ckpt.discard(path)

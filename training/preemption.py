@@ -2,9 +2,9 @@
 process's main thread (an `lmforge` launch training in-process), the first SIGTERM or SIGINT asks it to stop after
 the current step: it writes a checkpoint there and raises `Preempted`, which ends the command in one line (exit 2)
 with the MLflow run KILLED, and the same command resumes from that checkpoint. A second signal stops at once, as
-without the handler. Ray runs a sweep trial's loop in a thread of its own, where signals are not delivered: the
-sweep's driver creates a stop file on the signal instead, which the loop of a process given its path in
-`$LMFORGE_STOP_FILE` checks after every step."""
+without the handler. Ray runs a sweep trial's or a Ray Train worker's loop in a thread of its own, where signals are
+not delivered: the driver (`lmforge sweep`, a `--workers N` launch) creates a stop file on the signal instead, which
+the loop of a process given its path in `$LMFORGE_STOP_FILE` checks after every step (all ranks agree)."""
 
 from __future__ import annotations
 
