@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
 import urllib.error
@@ -105,14 +106,16 @@ def test_up_refuses_a_public_bind_without_auth(tmp_path):
 
 def test_sigterm_stops_the_temporary_prefect_server(tmp_path):
     """`lmforge pipeline` without PREFECT_API_URL starts a Prefect server in its own session; a scheduler's
-    SIGTERM to the command must not leave that server running (it did: SIGTERM ended the command at once)."""
+    SIGTERM to the command must not leave that server running (it did: SIGTERM ended the command at once). Its
+    freshly migrated database becomes the template of the next new one."""
     script = (
         "import sys, time\nfrom pathlib import Path\nfrom flows.cli_services import prefect_api\n"
         "with prefect_api(Path(sys.argv[1])) as url:\n    print(url, flush=True)\n    time.sleep(300)\n"
     )
     env = {k: v for k, v in clean_env().items() if not k.startswith("PREFECT_")}
+    env["LMFORGE_CACHE"] = str(tmp_path / "cache")  # no database template yet: this server migrates its own
     proc = subprocess.Popen(
-        [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", script, str(tmp_path / "state")], stdout=subprocess.PIPE, text=True, env=env
     )
     url = proc.stdout.readline().strip()
     port = url.rsplit(":", 1)[1].split("/")[0]
@@ -126,6 +129,12 @@ def test_sigterm_stops_the_temporary_prefect_server(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 128 + signal.SIGTERM
         assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+        # the migrated database was kept as the template the next new database starts from (~8 s less)
+        (template,) = (tmp_path / "cache" / "prefect-db").iterdir()
+        with contextlib.closing(sqlite3.connect(template / "prefect.db")) as db:
+            (migrated,) = db.execute("SELECT version_num FROM alembic_version").fetchone()
+        with contextlib.closing(sqlite3.connect(tmp_path / "state" / "prefect" / "prefect.db")) as db:
+            assert db.execute("SELECT version_num FROM alembic_version").fetchone() == (migrated,)
     finally:  # a failed check leaves nothing behind
         for leftover in (proc, server):
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
