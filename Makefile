@@ -27,7 +27,7 @@ TEST_ONLY_NO_DEPS := curvlinops-for-pytorch einconv linear_operator opt_einsum
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip uv
-	$(if $(PIP_FIND_LINKS),$(VENV)/bin/uv pip install -q --python $(PY) --no-index $(foreach dir,$(PIP_FIND_LINKS),--find-links $(dir)) "$(TORCH)" ||) \
+	$(if $(PIP_FIND_LINKS),$(VENV)/bin/uv pip install -q --python $(PY) --no-index --no-deps $(foreach dir,$(PIP_FIND_LINKS),--find-links $(dir)) "$(TORCH)" ||) \
 	  $(PY) -m pip install -q "$(TORCH)"
 	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -c constraints.txt -e ".[dev]" \
 	  || $(PY) -m pip install -q -c constraints.txt -e ".[dev]"
