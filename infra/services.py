@@ -163,10 +163,8 @@ def start_prefect(state_dir: Path, host: str = "127.0.0.1", port: int | None = N
     return running
 
 
-PREFECT_DB, PREFECT_MEMO = (
-    "prefect.db",
-    "memo_store.toml",
-)  # the database, the record of registered block types
+PREFECT_DB = "prefect.db"
+PREFECT_MEMO = "memo_store.toml"  # the record of the block types registered in the database
 
 
 def prefect_template() -> Path:

@@ -16,7 +16,7 @@ from infra.errors import Preempted
 from infra.object_store import Store
 from infra.ray_cluster import ensure_ray
 from training.config import ParallelConfig
-from training.preemption import STOP_FILE, stop_on_signals
+from training.preemption import STOP_FILE, stop_file_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,7 @@ def run_workers(
     # signals reach this process only: on one, the workers' loops find the stop file, checkpoint and return
     stop_file = None if isinstance(storage, Store) else (storage / "STOP").resolve()
     if stop_file is not None:
-        stop_file.parent.mkdir(parents=True, exist_ok=True)
-        for stale in (stop_file, stop_file.with_suffix(".done")):
-            stale.unlink(missing_ok=True)
+        stop_file.with_suffix(".done").unlink(missing_ok=True)  # an earlier attempt's mark
     trainer = (_without_pg_cleaner(TorchTrainer) if private else TorchTrainer)(
         _stoppable,
         train_loop_config={**spec, "worker": worker, "stop_file": str(stop_file) if stop_file else None},
@@ -69,14 +67,7 @@ def run_workers(
     if stop_file is None:  # a run directory on object storage: no stop file the workers all see
         trainer.fit()
         return
-
-    def ask_workers_to_stop() -> None:
-        stop_file.touch()
-        log.warning(
-            "the workers stop after this step, once its checkpoint is written (send it again to stop now)"
-        )
-
-    with stop_on_signals(ask_workers_to_stop) as stop:
+    with stop_file_on_signals(stop_file, "the workers") as stop:
         trainer.fit()
     if stop_file.with_suffix(".done").exists():
         raise Preempted(

@@ -380,7 +380,7 @@ def stop_requested(stop: StopRequest, world_size: int, device: torch.device) -> 
     if stop.file is not None and world_size > 1:
         asked = bool(all_reduce_sum(torch.tensor(float(asked), device=device)) > 0)
         if asked and stop.signal is None:
-            stop.signal = f"a stop request ({stop.file})"
+            stop.by_file()
     return asked
 
 

@@ -33,8 +33,12 @@ class StopRequest:
 
     def reason(self) -> str | None:
         if self.signal is None and self.file is not None and self.file.exists():
-            self.signal = f"a stop request ({self.file})"
+            self.by_file()
         return self.signal
+
+    def by_file(self) -> None:
+        """The stop file asked (seen here, or by another rank)."""
+        self.signal = f"a stop request ({self.file})"
 
 
 @contextmanager
@@ -70,3 +74,22 @@ def stop_on_signals(on_stop: Callable[[], None] | None = None) -> Iterator[StopR
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+@contextmanager
+def stop_file_on_signals(path: Path, what: str) -> Iterator[StopRequest]:
+    """For the driver of loops that signals never reach (sweep trials, Ray Train workers: threads of Ray actors):
+    within the block, the first SIGTERM or SIGINT creates `path`, which those loops, given it in `$LMFORGE_STOP_FILE`,
+    check after every step. A stale one, left by an earlier attempt, is removed first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+
+    def ask() -> None:
+        path.touch()
+        log.warning(
+            "%s stop after their current step, once it is checkpointed (send the signal again to stop now)",
+            what,
+        )
+
+    with stop_on_signals(ask) as request:
+        yield request

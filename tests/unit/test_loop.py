@@ -399,9 +399,8 @@ def test_repeated_spikes_roll_back_to_the_checkpoint_before_them(tmp_path: Path,
     assert state.rollbacks == 1 and state.spikes == 3 and state.step == 20
     assert seen.seen == [[10]]  # step 15's checkpoint (abandoned steps) is gone, a resume cannot pick it
     final = tmp_path / "rolled" / "checkpoints" / f"step-{20:08d}"
-    assert (
-        ckpt.load_rank_state(final, 0)["loader"]["position"] == 17 + 10
-    )  # batches 11-17 skipped, not repeated
+    # batches 11-17 skipped, not repeated
+    assert ckpt.load_rank_state(final, 0)["loader"]["position"] == 17 + 10
     assert all(
         torch.equal(a, b) for a, b in zip(clean.module.parameters(), rolled.module.parameters(), strict=True)
     )

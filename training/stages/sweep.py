@@ -37,7 +37,7 @@ from training.config import PretrainSpec, SweepConfig, SweepSpec
 from training.loop import TrainingHalted
 from training.model.accounting import count_parameters
 from training.optim.optimizers import decay_start
-from training.preemption import STOP_FILE, stop_on_signals
+from training.preemption import STOP_FILE, stop_file_on_signals
 from training.sizing import RunShape, count_n, run_shape, sized_model
 from training.stages.lifecycle import TrainedModel, read_metrics, training_step
 from training.stages.pretrain import PRETRAIN, run_pretrain
@@ -411,7 +411,6 @@ def _run_trials(
         else FIFOScheduler()
     )
     stop_file = (sweep_dir / "STOP").resolve()
-    stop_file.unlink(missing_ok=True)  # left by an earlier, stopped attempt
     trainable = tune.with_parameters(
         _trainable,
         specs=[(p.model_dump_json(), t.model_dump_json()) for p, t in todo],
@@ -439,19 +438,13 @@ def _run_trials(
             callbacks=[_progress_callback(progress, len(rows), total)] if progress else None,
         ),
     )
-
-    def ask_trials_to_stop() -> None:
-        stop_file.touch()
-        log.warning(
-            "the sweep's running trials stop after their current step, once it is checkpointed; trials not "
-            "started are left for the rerun (send the signal again to stop now)"
-        )
-
     t0 = time.perf_counter()
     tune_handler = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # Ctrl-C too: the trials checkpoint rather than die
     try:
-        with stop_on_signals(ask_trials_to_stop) as stop:
+        with stop_file_on_signals(
+            stop_file, "the sweep's running trials (those not started wait for the rerun)"
+        ) as stop:
             grid = tuner.fit()
     finally:
         if tune_handler is None:
@@ -472,9 +465,8 @@ def _run_trials(
             rows[plan.name] = trial_rows(plan, None, 0.0, "stopped", metrics.get("train_loss"), 0)
         else:
             raise RuntimeError(f"sweep trial {plan.name} failed: {result.error}") from result.error
-    if (
-        stop.signal is not None and len(rows) < total
-    ):  # (a signal after the last trial finished stops nothing)
+    # a signal after the last trial finished stops nothing
+    if stop.signal is not None and len(rows) < total:
         raise Preempted(
             f"{stop.signal}: the sweep stopped with {len(rows)} of {total} trials finished; "
             f"{', '.join(stopped) or 'none'} stopped at a checkpoint; rerun the same command to resume them"
