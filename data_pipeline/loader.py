@@ -3,8 +3,11 @@
 The split's shards form one token stream in which every document already ends with end-of-text. Window w covers
 tokens [w·T, w·T + T + 1): inputs are its first T tokens, targets the last T, so every token is a target once.
 Windows are shuffled by a permutation drawn from (seed, epoch), dealt to data-parallel ranks round-robin with the
-tail dropped so every rank gets the same number, and cut into batches. The position (epoch, batch) is the whole
-state: a loader restored from `state_dict()` yields exactly the batches the uninterrupted one would have.
+tail dropped so every optimiser step gets a full global batch, and cut into batches. The position (epoch, batch) is
+the whole state: a loader restored from `state_dict()` yields exactly the batches the uninterrupted one would have.
+
+Optimiser step s of an epoch consumes permutation positions [s·G, (s+1)·G) (G the global batch, whatever the
+number of ranks and micro-batches), so a position saved at a step boundary on one layout continues on another.
 
 Shape letters: B batch, T sequence length.
 """
@@ -37,21 +40,30 @@ class Batch(NamedTuple):
 
 
 class EpochSampler:
-    """Which items each rank sees, batch by batch, across epochs; deterministic from (seed, epoch)."""
+    """Which items each rank sees, batch by batch, across epochs; deterministic from (seed, epoch).
+    `accumulation`: micro-batches per rank per optimiser step (an epoch holds whole steps)."""
 
     def __init__(
-        self, n_items: int, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool
+        self,
+        n_items: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool,
+        accumulation: int = 1,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
         self.n_items, self.batch_size, self.rank, self.world_size = n_items, batch_size, rank, world_size
-        self.seed, self.shuffle = seed, shuffle
-        self.per_rank = n_items // world_size
-        self.batches_per_epoch = self.per_rank // batch_size
+        self.seed, self.shuffle, self.accumulation = seed, shuffle, accumulation
+        self.global_batch = batch_size * world_size * accumulation
+        self.batches_per_epoch = n_items // self.global_batch * accumulation
+        self.per_rank = self.batches_per_epoch * batch_size
         if self.batches_per_epoch == 0:
             raise DataError(
-                f"{n_items} items cannot fill one batch of {batch_size} on each of {world_size} ranks; "
-                "use more data, a smaller batch or a shorter sequence length"
+                f"{n_items} items cannot fill one step ({accumulation} batch(es) of {batch_size} on each of "
+                f"{world_size} ranks); use more data, a smaller batch or a shorter sequence length"
             )
         self.epoch = 0
         self.batch = 0
@@ -82,21 +94,32 @@ class EpochSampler:
             "batch": self.batch,
             "seed": self.seed,
             "n_items": self.n_items,
+            "global_batch": self.global_batch,
             "batch_size": self.batch_size,
             "rank": self.rank,
             "world_size": self.world_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at a saved position; any rank of any layout with the same data and global batch can (the
+        position is a step boundary, which is the same place in the epoch's permutation on every layout)."""
         mine = self.state_dict()
-        fixed = ("seed", "n_items", "batch_size", "rank", "world_size")
+        fixed = ("seed", "n_items", "global_batch")
         different = {k: (state.get(k), mine[k]) for k in fixed if state.get(k) != mine[k]}
         if different:
             described = ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in different.items())
             raise DataError(
                 f"loader state does not fit this loader ({described}); resume with the same data and batch"
             )
-        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        consumed = int(state["batch"]) * int(state["batch_size"]) * int(state["world_size"])
+        same_layout = (state["batch_size"], state["world_size"]) == (self.batch_size, self.world_size)
+        if not same_layout and consumed % self.global_batch:
+            raise DataError(
+                f"loader state at item {consumed} of epoch {state['epoch']} lies between two optimiser steps of "
+                f"{self.global_batch}; resume it on the layout it was saved on (world size {state['world_size']}, "
+                f"micro-batch {state['batch_size']})"
+            )
+        self.epoch, self.batch = int(state["epoch"]), consumed // (self.batch_size * self.world_size)
 
 
 class SampledLoader:
@@ -149,13 +172,14 @@ class PackedLoader(SampledLoader):
         seed: int = 0,
         shuffle: bool = True,
         tokenizer_digest: str | None = None,
+        accumulation: int = 1,
     ) -> None:
         if tokenizer_digest is not None:
             manifest.check_tokenizer(tokenizer_digest)
         self.seq_len = seq_len
         self.reader = ShardReader(manifest, split)
         n_windows = max(0, (self.reader.n_tokens - 1) // seq_len)
-        self.sampler = EpochSampler(n_windows, batch_size, rank, world_size, seed, shuffle)
+        self.sampler = EpochSampler(n_windows, batch_size, rank, world_size, seed, shuffle, accumulation)
 
     def batch_of(self, windows: np.ndarray) -> Batch:
         rows = np.stack([self.reader.slice(int(w) * self.seq_len, self.seq_len + 1) for w in windows])

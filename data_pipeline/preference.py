@@ -268,6 +268,7 @@ class PreferenceLoader(SampledLoader):
         world_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        accumulation: int = 1,
         reference: np.ndarray | None = None,
     ) -> None:
         table = read_rows(Path(manifest.path) / f"{split}.arrow")
@@ -279,7 +280,7 @@ class PreferenceLoader(SampledLoader):
                 "recompute the reference log-probabilities for this data"
             )
         self.reference = reference
-        self.sampler = EpochSampler(len(table), batch_size, rank, world_size, seed, shuffle)
+        self.sampler = EpochSampler(len(table), batch_size, rank, world_size, seed, shuffle, accumulation)
 
     def __len__(self) -> int:
         return self.sampler.n_items

@@ -228,9 +228,12 @@ class PromptLoader(SampledLoader):
         world_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        accumulation: int = 1,
     ) -> None:
         self.records = manifest.records(split)
-        self.sampler = EpochSampler(len(self.records), batch_size, rank, world_size, seed, shuffle)
+        self.sampler = EpochSampler(
+            len(self.records), batch_size, rank, world_size, seed, shuffle, accumulation
+        )
 
     def __len__(self) -> int:
         return self.sampler.n_items

@@ -263,6 +263,7 @@ class SFTLoader(SampledLoader):
         world_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        accumulation: int = 1,
         tokenizer_digest: str | None = None,
     ) -> None:
         if tokenizer_digest is not None and tokenizer_digest != manifest.tokenizer_digest:
@@ -273,7 +274,7 @@ class SFTLoader(SampledLoader):
         batch = read_rows(Path(manifest.path) / f"{split}.arrow")
         self.ids, self.mask = batch.column("input_ids"), batch.column("loss_mask")
         self.seq_len, self.pad_id = manifest.seq_len, manifest.pad_id
-        self.sampler = EpochSampler(len(self.ids), batch_size, rank, world_size, seed, shuffle)
+        self.sampler = EpochSampler(len(self.ids), batch_size, rank, world_size, seed, shuffle, accumulation)
 
     def batch_of(self, indices: np.ndarray) -> Batch:
         """Inputs padded with the pad id; targets IGNORE_INDEX where the loss mask is 0 or on padding."""

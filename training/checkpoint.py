@@ -146,6 +146,6 @@ def load_rank_state(checkpoint: Path, rank: int) -> dict[str, Any]:
     path = checkpoint / f"rank-{rank}.pt"
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path} is missing: this checkpoint was written by fewer ranks; resume with the same number of workers"
+            f"{path} is missing: the checkpoint is incomplete; resume from an earlier one (delete this one)"
         )
     return torch.load(path, weights_only=False)

@@ -67,6 +67,14 @@ class OptimConfig(BaseModel):
         return (self.matrix_lr or self.lr) / self.lr
 
 
+# the parallel settings an attempt may change when it resumes a run (ParallelConfig.layout)
+LAYOUT = ("world_size", "ep_size")
+
+
+def describe_layout(layout: dict[str, int]) -> str:
+    return f"{layout['world_size']} worker(s) with ep_size {layout.get('ep_size', 1)}"
+
+
 class ParallelConfig(BaseModel):
     """How a run is spread over workers: data parallel width, ZeRO stage, precision, expert parallelism."""
 
@@ -88,10 +96,17 @@ class ParallelConfig(BaseModel):
     )  # extra keys merged into the generated DeepSpeed config
 
     def what(self) -> dict[str, Any]:
-        """The settings that can change the trained weights (not threads, restarts or placement)."""
+        """The settings that make the run what it is. Not threads, restarts or placement, and not the layout of
+        an attempt (`layout()`): a run saved on one number of workers or experts per rank continues on another
+        (the global batch, which the run key holds, stays)."""
         return self.model_dump(
-            mode="json", exclude={"threads_per_worker", "max_failures", "placement", "compile"}
+            mode="json",
+            exclude={"threads_per_worker", "max_failures", "placement", "compile", *LAYOUT},
         )
+
+    def layout(self) -> dict[str, int]:
+        """How this attempt spreads the run over workers (recorded in every checkpoint it writes)."""
+        return {name: getattr(self, name) for name in LAYOUT}
 
     @model_validator(mode="after")
     def _check_ep(self) -> ParallelConfig:
@@ -440,7 +455,11 @@ class TrainingSpec(BaseModel):
     tracking: TrackingConfig = TrackingConfig()
 
     def key(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", include=self.KEY) | {"parallel": self.parallel.what()}
+        """What the run key hashes: the `KEY` slices, with the global batch resolved (it is the run's; the number
+        of workers that makes it up is the attempt's)."""
+        key = self.model_dump(mode="json", include=self.KEY) | {"parallel": self.parallel.what()}
+        key["train"]["global_batch_size"] = self.train.global_batch(self.parallel.world_size)
+        return key
 
     @model_validator(mode="after")
     def _check_batch(self) -> TrainingSpec:

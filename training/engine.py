@@ -47,7 +47,10 @@ class Engine(Protocol):
         hashed as it wrote them (empty when `save` wrote synchronously)."""
         ...
 
-    def load(self, directory: Path) -> None: ...
+    def load(self, directory: Path, saved_on: dict[str, int] | None = None) -> None:
+        """Everything `save` wrote; `saved_on`: the layout (`ParallelConfig.layout`) that wrote it, when it is not
+        this engine's (the state is resharded, or the one-line `LayoutError` says why it cannot be)."""
+        ...
 
 
 def loss_scale(n_micro: int, n_global: int, accumulation: int, world_size: int) -> float:
@@ -99,7 +102,7 @@ class PlainEngine:
     def saved(self) -> dict[Path, dict[str, Any]]:
         return {}
 
-    def load(self, directory: Path) -> None:
-        state = torch.load(directory / "engine.pt", weights_only=False)
+    def load(self, directory: Path, saved_on: dict[str, int] | None = None) -> None:
+        state = torch.load(directory / "engine.pt", weights_only=False)  # one process: whole on any layout
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])

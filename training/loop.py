@@ -38,7 +38,7 @@ from infra.object_store import Store
 from infra.tracking import Tracker
 from training import checkpoint as ckpt
 from training import remote_checkpoint
-from training.config import OptimConfig, TrainConfig
+from training.config import OptimConfig, TrainConfig, describe_layout
 from training.engine import Engine, loss_scale
 from training.model.moe import RouterStats
 from training.objective import Objective, TokenCrossEntropy
@@ -441,9 +441,7 @@ def roll_back(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState
         state.spike_steps = []
         return None
     checkpoint = ckpt.step_dir(checkpoints, target)
-    engine.load(checkpoint)
-    ckpt.set_rng_state(ckpt.load_rank_state(checkpoint, setup.rank)["rng"])
-    saved = LoopState(**ckpt.read_meta(checkpoint)["loop"])
+    saved, _ = load_checkpoint(engine, setup, checkpoint)
     barrier()
     # the checkpoints of the abandoned steps: a resume must not pick them, pruning must not count them
     if setup.rank == 0:
@@ -620,10 +618,27 @@ def resume(engine: Engine, train: Batches, setup: LoopSetup) -> LoopState:
         if ckpt.complete_checkpoints(checkpoints):  # each named in a warning above
             log.warning("every checkpoint under %s is damaged: training restarts from step 0", checkpoints)
         return LoopState()
-    engine.load(latest)
-    rank_state = ckpt.load_rank_state(latest, setup.rank)
-    ckpt.set_rng_state(rank_state["rng"])
-    train.load_state_dict(rank_state["loader"])
-    state = LoopState(**ckpt.read_meta(latest)["loop"])
-    log.info("resumed from %s at step %d", latest, state.step)
+    state, loader_state = load_checkpoint(engine, setup, latest)
+    train.load_state_dict(loader_state)
     return state
+
+
+def load_checkpoint(engine: Engine, setup: LoopSetup, checkpoint: Path) -> tuple[LoopState, dict[str, Any]]:
+    """Engine state, this rank's RNG and the loop counters from `checkpoint`, on this attempt's layout whatever
+    the layout that wrote it (`setup.meta["layout"]`); returns the counters and the saved loader position.
+
+    After a layout change, rank r takes the RNG of saved rank r mod (saved world size): dropout masks of the new
+    ranks repeat those of the old ones (the data, a step-boundary position, continues exactly)."""
+    meta = ckpt.read_meta(checkpoint)
+    now, saved_on = setup.meta.get("layout"), meta.get("layout")
+    moved = now is not None and saved_on is not None and saved_on != now
+    engine.load(checkpoint, saved_on if moved else None)
+    rank_state = ckpt.load_rank_state(
+        checkpoint, setup.rank % saved_on["world_size"] if moved else setup.rank
+    )
+    ckpt.set_rng_state(rank_state["rng"])
+    state = LoopState(**meta["loop"])
+    if setup.rank == 0:
+        moved_from = f", saved on {describe_layout(saved_on)}, now on {describe_layout(now)}" if moved else ""
+        log.info("resumed from %s at step %d%s", checkpoint, state.step, moved_from)
+    return state, rank_state["loader"]

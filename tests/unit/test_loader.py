@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -84,8 +85,10 @@ def test_resume_yields_exactly_the_uninterrupted_batches(
 def test_state_from_another_configuration_is_refused(tokenized: tuple[DatasetManifest, Path]) -> None:
     manifest, _ = tokenized
     state = loader(manifest).state_dict()
-    with pytest.raises(DataError, match="batch_size: saved 4 vs now 8"):
+    with pytest.raises(DataError, match="global_batch: saved 4 vs now 8"):
         loader(manifest, batch_size=8).load_state_dict(state)
+    with pytest.raises(DataError, match="global_batch: saved 4 vs now 8"):
+        loader(manifest, accumulation=2).load_state_dict(state)
     with pytest.raises(DataError, match="seq_len=32"):
         PackedLoader(manifest, seq_len=16, batch_size=4).load_state_dict(state)
 
@@ -108,5 +111,57 @@ def test_validation_pass_is_fixed_and_leaves_position(tokenized: tuple[DatasetMa
 
 def test_too_little_data_for_a_batch(tokenized: tuple[DatasetManifest, Path]) -> None:
     manifest, _ = tokenized
-    with pytest.raises(DataError, match="cannot fill one batch"):
+    with pytest.raises(DataError, match="cannot fill one step"):
         PackedLoader(manifest, "val", seq_len=SEQ, batch_size=100_000)
+
+
+# world size: (micro-batch, accumulation) making up the same global batch of 8 sequences
+LAYOUTS = {1: (8, 1), 2: (2, 2), 4: (1, 2), 8: (1, 1)}
+
+
+def ranks_of(manifest: DatasetManifest, world: int) -> tuple[list[PackedLoader], int]:
+    micro, accumulation = LAYOUTS[world]
+    ranks = [
+        loader(manifest, batch_size=micro, rank=r, world_size=world, accumulation=accumulation, seed=3)
+        for r in range(world)
+    ]
+    return ranks, accumulation
+
+
+def step_rows(ranks: list[PackedLoader], accumulation: int) -> Counter:
+    """The sequences (token ids) one optimiser step trains on, over all ranks and micro-batches."""
+    rows: Counter = Counter()
+    for rank in ranks:
+        for _ in range(accumulation):
+            rows.update(tuple(row) for row in rank.next_batch().inputs.tolist())
+    return rows
+
+
+def test_a_run_continues_on_other_layouts_with_the_same_sequences(tokenized: tuple[DatasetManifest, Path]) -> None:
+    """Saved at step boundaries and resumed on 2 -> 1 -> 4 -> 2 -> 8 workers (within an epoch and across its
+    end): every step trains on exactly the sequences of the uninterrupted 2-worker run's same step."""
+    manifest, _ = tokenized
+    ranks, accumulation = ranks_of(manifest, 2)
+    per_epoch = ranks[0].batches_per_epoch // accumulation
+    assert per_epoch >= 6
+    straight = [step_rows(ranks, accumulation) for _ in range(per_epoch + 4)]
+    assert all(sum(rows.values()) == 8 for rows in straight)
+
+    ranks, accumulation = ranks_of(manifest, 2)
+    resumed, step = [], 0
+    for world, until in [(2, 2), (1, 3), (4, 5), (2, per_epoch - 1), (8, per_epoch + 4)]:
+        state = ranks[0].state_dict()  # every rank holds the same position at a step boundary
+        ranks, accumulation = ranks_of(manifest, world)
+        for rank in ranks:
+            rank.load_state_dict(state)
+        resumed += [step_rows(ranks, accumulation) for _ in range(until - step)]
+        step = until
+    assert resumed == straight
+
+
+def test_a_position_between_steps_cannot_move_to_another_layout(tokenized: tuple[DatasetManifest, Path]) -> None:
+    manifest, _ = tokenized
+    ranks, _ = ranks_of(manifest, 4)
+    ranks[0].next_batch()  # half of a step
+    with pytest.raises(DataError, match="between two optimiser steps of 8"):
+        ranks_of(manifest, 2)[0][0].load_state_dict(ranks[0].state_dict())

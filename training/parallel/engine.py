@@ -6,6 +6,7 @@ swap applied before `deepspeed.initialize`, and checkpoint save/load of module, 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from training.config import OptimConfig, ParallelConfig, TrainConfig
 from training.model.transformer import ModelOutput, Transformer
 from training.optim.optimizers import BuiltByDeepSpeed, build_optimizer, param_groups, set_lr
 from training.parallel.expert_parallel import swap_in_expert_parallel
+from training.parallel.reshard import check_layout_change, partitioned, to_universal
 
 log = logging.getLogger(__name__)
 DS_TAG = "state"  # DeepSpeed's tag inside each of our checkpoint directories
@@ -73,8 +75,8 @@ class DeepSpeedEngine:
     """The loop's `Engine` over a DeepSpeed engine (DeepSpeed counts micro-batches in its own `step()` calls).
     `grad_clip` is applied here when `clips_itself`, else by DeepSpeed."""
 
-    def __init__(self, ds: Any, grad_clip: float = 0.0) -> None:
-        self.ds = ds
+    def __init__(self, ds: Any, layout: dict[str, int], grad_clip: float = 0.0) -> None:
+        self.ds, self.layout = ds, layout
         self.module: nn.Module = ds.module
         self.accumulation_steps: int = ds.gradient_accumulation_steps()
         self.device = next(ds.module.parameters()).device
@@ -114,7 +116,27 @@ class DeepSpeedEngine:
     def saved(self) -> dict[Path, dict[str, Any]]:
         return self.ds.checkpoint_engine.wait()  # a `CheckpointWriter`
 
-    def load(self, directory: Path) -> None:
+    def load(self, directory: Path, saved_on: dict[str, int] | None = None) -> None:
+        """`saved_on`: the layout that wrote `directory` when it is not this engine's (training/parallel/reshard.py)."""
+        if saved_on is not None:
+            check_layout_change(directory / DS_TAG, saved_on, self.layout)
+        if saved_on is None or not partitioned(directory / DS_TAG):
+            return self._load(directory)
+        universal = directory.with_name(f".tmp-universal-{directory.name}")  # `ckpt.commit` clears leftovers
+        rank = torch.distributed.get_rank()
+        if rank == 0:
+            to_universal(directory / DS_TAG, universal / DS_TAG)
+        torch.distributed.barrier()
+        self.ds._config.load_universal_checkpoint = True  # DeepSpeed reads it at each load, not only at start
+        try:
+            self._load(universal)
+        finally:
+            self.ds._config.load_universal_checkpoint = False
+        torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(universal)
+
+    def _load(self, directory: Path) -> None:
         path, _ = self.ds.load_checkpoint(str(directory), tag=DS_TAG, load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"{directory}: DeepSpeed found no checkpoint to load")
@@ -159,4 +181,4 @@ def build_engine(
     from training.parallel.checkpoint_writer import CheckpointWriter  # imports DeepSpeed
 
     ds.checkpoint_engine = CheckpointWriter(background=train.async_checkpoint)
-    return DeepSpeedEngine(ds, optim.grad_clip if clips_itself(parallel) else 0.0)
+    return DeepSpeedEngine(ds, parallel.layout(), optim.grad_clip if clips_itself(parallel) else 0.0)

@@ -189,7 +189,8 @@ class Distill(TrainingStage):
         data, train = job.inputs["data"], job.spec.train
         if isinstance(data, SFTManifest):
             common = {"batch_size": train.micro_batch_size, "rank": rank, "world_size": world}
-            return SFTLoader(data, "train", seed=train.seed, **common), SFTLoader(
+            accumulation = train.grad_accum_steps(world)
+            return SFTLoader(data, "train", seed=train.seed, accumulation=accumulation, **common), SFTLoader(
                 data, "heldout", shuffle=False, **common
             )
         from training.stages.pretrain import PRETRAIN

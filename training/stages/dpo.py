@@ -241,6 +241,7 @@ class Preference(TunedFromBase):
             "train",
             batch_size=batch,
             seed=job.spec.train.seed,
+            accumulation=job.spec.train.grad_accum_steps(world),
             reference=reference.array("train"),
             **common,
         )

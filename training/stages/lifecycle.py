@@ -247,7 +247,7 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
         world_size=world,
         flops_per_token=flops_per_token(cfg, train.seq_len).training,
         peak_flops=peak_flops_for(spec.parallel.precision, train, cfg, rank, engine.device),
-        meta={"mlflow_run_id": job.run.run_id, "config_digest": job.key},
+        meta={"mlflow_run_id": job.run.run_id, "config_digest": job.key, "layout": spec.parallel.layout()},
         progress=progress,
         probe=job.stage.probe(job),
         remote=open_store(job.remote) if job.remote else None,
@@ -257,6 +257,10 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
     state = resume(engine, loader, setup)
     val = (lambda: val_loader.epoch_batches(train.eval_batches)) if val_loader is not None else None
     tracker = job.run.tracker(rank, buffer_seconds=2.0)
+    # each attempt's layout, at the step it starts from (a run may continue on another)
+    tracker.log_metrics(
+        {f"layout/{name}": value for name, value in spec.parallel.layout().items()}, state.step
+    )
     try:
         train_loop(engine, loader, val, train, spec.optim, setup, tracker, state, objective)
     finally:  # metrics up to a crash are kept too

@@ -73,7 +73,9 @@ class Pretrain(TrainingStage):
             "rank": rank,
             "world_size": world,
         }
-        loader = PackedLoader(data, "train", seed=train.seed, **common)
+        loader = PackedLoader(
+            data, "train", seed=train.seed, accumulation=train.grad_accum_steps(world), **common
+        )
         val = PackedLoader(data, "val", shuffle=False, **common) if data.splits["val"].n_docs else None
         return loader, val
 

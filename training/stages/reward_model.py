@@ -109,7 +109,14 @@ class RewardModelling(TunedFromBase):
     def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
         data, batch = job.inputs["data"], job.spec.train.micro_batch_size
         common = {"rank": rank, "world_size": world}
-        train = PreferenceLoader(data, "train", batch_size=batch, seed=job.spec.train.seed, **common)
+        train = PreferenceLoader(
+            data,
+            "train",
+            batch_size=batch,
+            seed=job.spec.train.seed,
+            accumulation=job.spec.train.grad_accum_steps(world),
+            **common,
+        )
         batch = max(1, min(batch, data.counts["heldout"] // world))
         return train, PreferenceLoader(data, "heldout", batch_size=batch, shuffle=False, **common)
 

@@ -292,6 +292,7 @@ class ReinforcementLearning(TunedFromBase):
             seed=spec.train.seed,
             rank=rank,
             world_size=world,
+            accumulation=spec.train.grad_accum_steps(world),
         )
         return train, None
 

@@ -94,7 +94,13 @@ class SFT(TrainingStage):
             "world_size": world,
             "tokenizer_digest": job.inputs["base"].tokenizer_digest,
         }
-        train = SFTLoader(data, "train", seed=job.spec.train.seed, **common)
+        train = SFTLoader(
+            data,
+            "train",
+            seed=job.spec.train.seed,
+            accumulation=job.spec.train.grad_accum_steps(world),
+            **common,
+        )
         return train, SFTLoader(data, "heldout", shuffle=False, **common)
 
     def finalize(self, job: TrainingJob, final: Path, tracker: Tracker) -> TrainedModel:
