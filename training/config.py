@@ -168,6 +168,12 @@ class TrainConfig(BaseModel):
     )
     seed: NonNegativeInt = 0
 
+    def eval_batches_per_rank(self, world_size: int) -> int:
+        """Validation micro-batches each rank draws: together the first `eval_batches` x `micro_batch_size`
+        sequences of the split on any number of ranks (all of them when the ranks divide `eval_batches`), so a
+        run's validation curve goes on unchanged when the run continues on another layout."""
+        return -(-self.eval_batches // world_size)
+
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-batches each rank accumulates per step; the recipe checks this divides evenly."""
         return self.global_batch(world_size) // (self.micro_batch_size * world_size)

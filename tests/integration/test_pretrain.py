@@ -25,7 +25,7 @@ from tests.pretrain_helpers import (
 )
 from training import checkpoint as ckpt
 from training.parallel.reshard import LayoutError
-from training.stages.lifecycle import TrainedModel
+from training.stages.lifecycle import TrainedModel, read_metrics
 from training.stages.pretrain import run_pretrain
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -268,6 +268,8 @@ def test_a_run_continues_on_another_number_of_workers(golden_run: TrainedModel, 
         curve = losses(Path(run.run_dir))
         assert sorted(curve) == list(range(1, 21))
         assert all(curve[s] == pytest.approx(golden[s], rel=2e-5) for s in golden), (curve, golden)
+        # validated on the same sequences on 1 or 2 workers (steps 0, 10 and 20)
+        assert val_by_step(run) == pytest.approx(val_by_step(golden_run), rel=2e-5)
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'again' / 'mlflow.db'}")
     history = client.get_metric_history(back.mlflow_run_id, "layout/world_size")
     assert [(m.step, m.value) for m in history] == [(0, 1.0), (5, 2.0), (10, 1.0)]
@@ -276,6 +278,10 @@ def test_a_run_continues_on_another_number_of_workers(golden_run: TrainedModel, 
     a = fp32_state_dict(Path(golden_run.checkpoint), False)
     b = fp32_state_dict(Path(back.checkpoint), False)
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
+
+
+def val_by_step(run: TrainedModel) -> dict[int, float]:
+    return {int(r["step"]): r["val/loss"] for r in read_metrics(run.run_dir) if "val/loss" in r}
 
 
 def test_damaged_final_checkpoint_is_reported_and_repaired(tmp_path: Path, caplog) -> None:

@@ -92,8 +92,9 @@ def test_loading_a_missing_or_unfinished_run_says_which(tmp_path: Path) -> None:
         ("parallel.threads_per_worker=1", set()),  # nor settings that cannot change the weights
         ("parallel.max_failures=3", set()),
         ("parallel.placement=strict_spread", set()),
-        # another worker count is another run (sums over other ranks round differently), never a resume
-        ("parallel.world_size=2", {"pretrain", "sft"}),
+        # another worker count continues the run when its global batch stays (pretraining's is set); where the
+        # global batch is the micro-batch times the workers (SFT's), it is another run
+        ("parallel.world_size=2", {"sft"}),
         ("tracking.experiment=other", set()),
         ("sweep.min_steps=50", set()),
     ],

@@ -255,7 +255,8 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
     # before the resume restores the RNG: building an objective may draw from it (a reference model's init)
     objective = job.stage.objective(job)
     state = resume(engine, loader, setup)
-    val = (lambda: val_loader.epoch_batches(train.eval_batches)) if val_loader is not None else None
+    n_val = train.eval_batches_per_rank(world)
+    val = (lambda: val_loader.epoch_batches(n_val)) if val_loader is not None else None
     tracker = job.run.tracker(rank, buffer_seconds=2.0)
     # each attempt's layout, at the step it starts from (a run may continue on another)
     tracker.log_metrics(

@@ -89,7 +89,8 @@ class Pretrain(TrainingStage):
         """The engine's final validation loss and every rank's validation batches it was measured on."""
         if not val or not job.inputs["data"].splits["val"].n_docs:
             return None
-        world, n = job.spec.parallel.world_size, job.spec.train.eval_batches
+        world = job.spec.parallel.world_size
+        n = job.spec.train.eval_batches_per_rank(world)
         batches = [b for rank in range(world) for b in self.loaders(job, rank, world)[1].epoch_batches(n)]
         return EngineCheck(val[-1], batches, ENGINE_TOLERANCE[job.spec.parallel.precision])
 
