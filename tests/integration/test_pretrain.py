@@ -230,7 +230,8 @@ def test_exact_resume_from_a_checkpoint(case: str, golden_run: TrainedModel, tmp
     a = fp32_state_dict(Path(straight.checkpoint), False)
     b = fp32_state_dict(Path(resumed.checkpoint), False)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    if case == "moe-ep2-bf16-2workers":  # DeepSpeed's MoE layer keeps experts per rank: refused, never mixed up
+    # DeepSpeed's MoE layer keeps its experts per rank: another layout is refused, never loaded with wrong experts
+    if case == "moe-ep2-bf16-2workers":
         stopped_copy(Path(straight.run_dir), tmp_path / "ep1" / "pretrain", 5)
         with pytest.raises(LayoutError, match="resumes only on the layout it was saved on"):
             pretrain(tmp_path / "ep1", *RESUME_STEPS, MOE, "parallel.zero_stage=2", "parallel.precision=bf16")
@@ -242,7 +243,9 @@ def test_exact_resume_from_a_checkpoint(case: str, golden_run: TrainedModel, tmp
         assert "moe/layer0/load_cv" in last and "moe/layer1/aux_loss" in last
 
 
-def test_a_run_continues_on_another_number_of_workers(golden_run: TrainedModel, tmp_path: Path, caplog) -> None:
+def test_a_run_continues_on_another_number_of_workers(
+    golden_run: TrainedModel, tmp_path: Path, caplog
+) -> None:
     """ZeRO-2 (optimiser state and gradients partitioned over the ranks): saved on 1 worker, continued on 2 (DeepSpeed's
     universal checkpoint reshards the partitions), saved there and continued on 1 again; the same command with another
     `parallel.world_size`, in the same run directory and MLflow run. Every step's loss is the uninterrupted run's

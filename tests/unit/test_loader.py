@@ -137,7 +137,9 @@ def step_rows(ranks: list[PackedLoader], accumulation: int) -> Counter:
     return rows
 
 
-def test_a_run_continues_on_other_layouts_with_the_same_sequences(tokenized: tuple[DatasetManifest, Path]) -> None:
+def test_a_run_continues_on_other_layouts_with_the_same_sequences(
+    tokenized: tuple[DatasetManifest, Path],
+) -> None:
     """Saved at step boundaries and resumed on 2 -> 1 -> 4 -> 2 -> 8 workers (within an epoch and across its
     end): every step trains on exactly the sequences of the uninterrupted 2-worker run's same step."""
     manifest, _ = tokenized
@@ -159,7 +161,9 @@ def test_a_run_continues_on_other_layouts_with_the_same_sequences(tokenized: tup
     assert resumed == straight
 
 
-def test_a_position_between_steps_cannot_move_to_another_layout(tokenized: tuple[DatasetManifest, Path]) -> None:
+def test_a_position_between_steps_cannot_move_to_another_layout(
+    tokenized: tuple[DatasetManifest, Path],
+) -> None:
     manifest, _ = tokenized
     ranks, _ = ranks_of(manifest, 4)
     ranks[0].next_batch()  # half of a step
