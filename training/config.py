@@ -90,6 +90,9 @@ class ParallelConfig(BaseModel):
     )
     threads_per_worker: PositiveInt | None = None  # None: cores // workers, at least 1
     max_failures: NonNegativeInt = 0  # Ray Train restarts all workers from the last checkpoint this often
+    # elastic: a restart after a failure goes on with as many workers as the cluster has free, down to this many
+    # (among the counts the global batch splits evenly over) instead of waiting for world_size; None: it waits
+    min_workers: PositiveInt | None = None
     placement: Literal["pack", "spread", "strict_spread"] = "pack"  # strict_spread: one worker per node
     deepspeed: dict[str, Any] = Field(
         default_factory=dict
@@ -101,7 +104,7 @@ class ParallelConfig(BaseModel):
         (the global batch, which the run key holds, stays)."""
         return self.model_dump(
             mode="json",
-            exclude={"threads_per_worker", "max_failures", "placement", "compile", *LAYOUT},
+            exclude={"threads_per_worker", "max_failures", "min_workers", "placement", "compile", *LAYOUT},
         )
 
     def layout(self) -> dict[str, int]:
@@ -114,6 +117,15 @@ class ParallelConfig(BaseModel):
             raise ValueError(
                 f"ep_size={self.ep_size} must divide world_size={self.world_size}; "
                 f"pick ep_size among the divisors of {self.world_size}"
+            )
+        if self.min_workers is not None and self.min_workers > self.world_size:
+            raise ValueError(
+                f"parallel.min_workers={self.min_workers} exceeds parallel.world_size={self.world_size}; lower it"
+            )
+        if self.min_workers is not None and self.ep_size > 1:
+            raise ValueError(
+                f"parallel.min_workers with ep_size={self.ep_size}: an expert-parallel run resumes only on the "
+                "layout it was saved on; drop parallel.min_workers or set parallel.ep_size=1"
             )
         if self.ep_size > 1 and self.compile is True:
             raise ValueError(
@@ -393,6 +405,16 @@ def check_batch(train: TrainConfig, parallel: ParallelConfig, prefix: str = "tra
             f"{prefix}.global_batch_size={train.global_batch_size} must be a multiple of "
             f"{prefix}.micro_batch_size={train.micro_batch_size} x parallel.world_size={parallel.world_size} = {per_step}"
         )
+
+
+def worker_counts(train: TrainConfig, parallel: ParallelConfig) -> list[int]:
+    """The worker counts a run may go on with, largest first: world_size, and with `min_workers` every smaller
+    count down to it over which the global batch splits evenly into micro-batches. Only world_size when the
+    global batch is not set: it follows the worker count, and another count would be another run."""
+    smallest = parallel.min_workers if train.global_batch_size else None
+    smallest = smallest or parallel.world_size
+    batches = train.global_batch(parallel.world_size) // train.micro_batch_size
+    return [n for n in range(parallel.world_size, smallest - 1, -1) if batches % n == 0]
 
 
 def check_horizons(train: TrainConfig, optim: OptimConfig) -> None:

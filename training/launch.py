@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from infra.errors import Preempted
+from infra.errors import Preempted, UserError
 from infra.object_store import Store
 from infra.ray_cluster import ensure_ray
 from training.config import ParallelConfig
 from training.preemption import STOP_FILE, stop_file_on_signals
 
 log = logging.getLogger(__name__)
+SETTLE_S = 3.0  # how long the cluster's free resources must hold still before an elastic restart counts them
 
 
 def run_workers(
@@ -101,6 +103,64 @@ def _without_pg_cleaner(trainer: type) -> type:
     return PrivateInstanceTrainer
 
 
+def run_elastic(
+    worker: Callable[[dict[str, Any]], None],
+    spec: dict[str, Any],
+    counts: list[int],
+    use_gpu: bool,
+    storage: Path | Store,
+    name: str,
+    max_failures: int,
+    placement: str,
+) -> None:
+    """`run_workers` on `counts[0]` workers; after a failure (up to `max_failures` of them), again on the largest
+    of `counts` the cluster has free workers for, never waiting for more. The workers resume from the newest
+    checkpoint on their new layout (training/parallel/reshard.py)."""
+    from ray.train import TrainingFailedError
+
+    workers = counts[0]
+    for failures in range(max_failures + 1):
+        try:
+            return run_workers(worker, spec, workers, use_gpu, storage, name, 0, placement)
+        except TrainingFailedError as error:
+            if failures == max_failures:
+                raise
+            before, workers = workers, free_count(counts, use_gpu)
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            log.warning(
+                "the attempt on %d workers failed (%s); going on with %d (failure %d of at most %d)",
+                before,
+                first_line,
+                workers,
+                failures + 1,
+                max_failures,
+            )
+
+
+def free_count(counts: list[int], use_gpu: bool, timeout_s: float = 120.0) -> int:
+    """The largest of `counts` (descending) the cluster has free workers for, once its free resources have held
+    still for `SETTLE_S` (a failed worker group takes a moment to hand back its own)."""
+    import ray
+
+    resource = "GPU" if use_gpu else "CPU"  # a worker takes one
+    deadline = time.monotonic() + timeout_s
+    last, since = -1, time.monotonic()
+    while True:
+        free, now = int(ray.available_resources().get(resource, 0)), time.monotonic()
+        if free != last:
+            last, since = free, now
+        fits = [n for n in counts if n <= free]
+        if fits and now - since >= SETTLE_S:
+            return fits[0]
+        if now > deadline:
+            raise UserError(
+                f"after a worker failure the cluster has {free} free {resource}(s), fewer than the "
+                f"{counts[-1]} workers parallel.min_workers allows; rerun when it has more (the run resumes "
+                "from its newest checkpoint)"
+            )
+        time.sleep(0.5)
+
+
 def run_stage_workers(
     worker: Callable[..., None],
     job: Any,
@@ -109,20 +169,18 @@ def run_stage_workers(
     name: str,
     progress: Callable[[int, float, float], None] | None = None,
     store: Store | None = None,
+    counts: list[int] | None = None,
 ) -> None:
     """`worker({"job": job})`: one worker runs in this process (and reports progress); more run on Ray Train
-    (its state on `store` when the run directory lives on object storage)."""
+    (its state on `store` when the run directory lives on object storage). `counts`: the worker counts an elastic
+    run may go on with after a failure (`training.config.worker_counts`), largest first."""
     config = {"job": job}
+    common = (torch.cuda.is_available(), store or run_dir / "ray", name)
     if parallel.world_size == 1:
         worker(config, progress)
+    elif counts is not None and len(counts) > 1:
+        run_elastic(worker, config, counts, *common, parallel.max_failures, parallel.placement.upper())
     else:
         run_workers(
-            worker,
-            config,
-            parallel.world_size,
-            torch.cuda.is_available(),
-            store or run_dir / "ray",
-            name,
-            parallel.max_failures,
-            parallel.placement.upper(),
+            worker, config, parallel.world_size, *common, parallel.max_failures, parallel.placement.upper()
         )

@@ -283,6 +283,67 @@ def test_a_run_continues_on_another_number_of_workers(
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
 
 
+def test_an_elastic_run_goes_on_with_the_workers_the_cluster_has_left(
+    golden_run: TrainedModel, tmp_path: Path
+) -> None:
+    """`parallel.min_workers=1`: a worker of a 2-worker run is killed after the step-5 checkpoint while another job
+    takes all but one of the cluster's CPUs; instead of waiting for two, the run goes on with one (its loop resumes
+    on the new layout) and ends on the uninterrupted run's losses (the golden curve, up to reduction order)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+    import ray
+
+    out = tmp_path / "elastic"
+    settings = [*RESUME_STEPS, "parallel.min_workers=1", "parallel.max_failures=1"]
+    finished: list[TrainedModel | BaseException] = []
+
+    def run() -> None:
+        try:
+            finished.append(pretrain(out, *settings, workers=2))
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            finished.append(error)
+
+    driver = threading.Thread(target=run, daemon=True)
+    driver.start()
+    deadline = time.monotonic() + 300
+    while not any(ckpt.complete_checkpoints(d / "checkpoints") for d in (out / "pretrain").glob("*")):
+        assert driver.is_alive() and time.monotonic() < deadline, finished
+        time.sleep(0.1)
+    (run_dir,) = (out / "pretrain").iterdir()
+    workers = [
+        p
+        for p in psutil.Process(os.getpid()).children(recursive=True)
+        if "ray::RayTrainWorker" in " ".join(p.cmdline())
+    ]
+    assert len(workers) == 2, workers
+    # another job asks for all CPUs but one: it starts once the killed group hands its CPUs back
+    holder = ray.remote(num_cpus=int(ray.cluster_resources()["CPU"]) - 1)(Holder).remote()
+    os.kill(workers[1].pid, signal.SIGKILL)
+    driver.join(timeout=300)
+    ray.kill(holder)
+    (result,) = finished
+    assert isinstance(result, TrainedModel), result
+    layouts = [
+        r["layout"]["world_size"]
+        for r in map(ckpt.read_meta, (p for _, p in ckpt.complete_checkpoints(run_dir / "checkpoints")))
+    ]
+    assert layouts[-1] == 1, layouts
+    curve, golden = losses(run_dir), losses(Path(golden_run.run_dir))
+    assert sorted(curve) == list(range(1, 21))
+    assert all(curve[s] == pytest.approx(golden[s], rel=2e-5) for s in golden), (curve, golden)
+
+
+class Holder:
+    """A stand-in for another job's actor holding CPUs."""
+
+    def ready(self) -> bool:
+        return True
+
+
 def val_by_step(run: TrainedModel) -> dict[int, float]:
     return {int(r["step"]): r["val/loss"] for r in read_metrics(run.run_dir) if "val/loss" in r}
 

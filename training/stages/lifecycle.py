@@ -29,7 +29,7 @@ from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json
 from infra.tracking import TrackedRun, Tracker, tracked_run
 from training import checkpoint as ckpt
-from training.config import TrainConfig, TrainingSpec
+from training.config import TrainConfig, TrainingSpec, worker_counts
 from training.launch import run_stage_workers
 from training.loop import Batches, LoopSetup, read_jsonl, resume, train_loop
 from training.model.accounting import flops_per_token
@@ -214,7 +214,15 @@ def _train(
                 if (run_dir / name).is_file():
                     store.upload(run_dir / name, name)
         job = TrainingJob(stage, spec, dict(inputs), run_dir.resolve(), run, key, remote)
-        run_stage_workers(train_worker, job, spec.parallel, run_dir, stage.name, progress, store)
+        counts = worker_counts(spec.train, spec.parallel)
+        if spec.parallel.min_workers and len(counts) == 1 and spec.parallel.world_size > 1:
+            log.warning(
+                "%s is not elastic (parallel.min_workers=%d): set train.global_batch_size, split evenly over fewer "
+                "workers, so that it can go on with fewer",
+                stage.name,
+                spec.parallel.min_workers,
+            )
+        run_stage_workers(train_worker, job, spec.parallel, run_dir, stage.name, progress, store, counts)
         if store is not None:  # the workers' newest checkpoint and metrics, wherever they ran
             mirror.pull_unfinished(store, run_dir)
         final = ckpt.latest_checkpoint(run_dir / "checkpoints")
@@ -231,14 +239,13 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
     spec, train = job.spec, job.spec.train
     for artifact in job.inputs.values():  # a node that has not seen them yet pulls them from the store
         artifact.materialize()
-    torch.set_num_threads(
-        spec.parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // spec.parallel.world_size)
-    )
     init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    parallel = spec.parallel.model_copy(update={"world_size": world})  # this attempt's (elastic: maybe fewer)
+    torch.set_num_threads(parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(train.seed)
     model = job.stage.build_model(job)
-    engine = build_engine(model, spec.optim, spec.parallel, train)
+    engine = build_engine(model, spec.optim, parallel, train)
     loader, val_loader = job.stage.loaders(job, rank, world)
     cfg = job.stage.model_config(job)
     setup = LoopSetup(
@@ -247,7 +254,7 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
         world_size=world,
         flops_per_token=flops_per_token(cfg, train.seq_len).training,
         peak_flops=peak_flops_for(spec.parallel.precision, train, cfg, rank, engine.device),
-        meta={"mlflow_run_id": job.run.run_id, "config_digest": job.key, "layout": spec.parallel.layout()},
+        meta={"mlflow_run_id": job.run.run_id, "config_digest": job.key, "layout": parallel.layout()},
         progress=progress,
         probe=job.stage.probe(job),
         remote=open_store(job.remote) if job.remote else None,
@@ -259,9 +266,7 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
     val = (lambda: val_loader.epoch_batches(n_val)) if val_loader is not None else None
     tracker = job.run.tracker(rank, buffer_seconds=2.0)
     # each attempt's layout, at the step it starts from (a run may continue on another)
-    tracker.log_metrics(
-        {f"layout/{name}": value for name, value in spec.parallel.layout().items()}, state.step
-    )
+    tracker.log_metrics({f"layout/{name}": value for name, value in parallel.layout().items()}, state.step)
     try:
         train_loop(engine, loader, val, train, spec.optim, setup, tracker, state, objective)
     finally:  # metrics up to a crash are kept too

@@ -21,6 +21,7 @@ from data_pipeline.tokenizer import describe
 from infra.steps import Artifact
 from infra.storage import MANIFEST
 from infra.tracking import Tracker
+from training import checkpoint as ckpt
 from training.config import PretrainSpec
 from training.loop import Batches
 from training.model.config import ModelConfig
@@ -85,11 +86,10 @@ class Pretrain(TrainingStage):
         tokenizer = describe(Path(job.inputs["data"].tokenizer.path)).load()
         return TaskProbe(humaneval_pairs(tokenizer), job.spec.train.seq_len)
 
-    def engine_check(self, job: TrainingJob, val: list[float]) -> EngineCheck | None:
-        """The engine's final validation loss and every rank's validation batches it was measured on."""
+    def engine_check(self, job: TrainingJob, val: list[float], world: int) -> EngineCheck | None:
+        """The engine's final validation loss and the validation batches its `world` ranks measured it on."""
         if not val or not job.inputs["data"].splits["val"].n_docs:
             return None
-        world = job.spec.parallel.world_size
         n = job.spec.train.eval_batches_per_rank(world)
         batches = [b for rank in range(world) for b in self.loaders(job, rank, world)[1].epoch_batches(n)]
         return EngineCheck(val[-1], batches, ENGINE_TOLERANCE[job.spec.parallel.precision])
@@ -106,7 +106,7 @@ class Pretrain(TrainingStage):
             cfg.trained_at(job.spec.train.seq_len),
             data.tokenizer.path,
             job.run_dir / "hf",
-            self.engine_check(job, val),
+            self.engine_check(job, val, ckpt.read_meta(final)["layout"]["world_size"]),  # the last attempt's
         )
         tracker.log_artifact(job.run_dir / "metrics.jsonl")
         return trained_model(
