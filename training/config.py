@@ -122,10 +122,10 @@ class ParallelConfig(BaseModel):
             raise ValueError(
                 f"parallel.min_workers={self.min_workers} exceeds parallel.world_size={self.world_size}; lower it"
             )
-        if self.min_workers is not None and self.ep_size > 1:
+        if self.min_workers is not None and self.ep_size > 1 and self.zero_stage not in (1, 2):
             raise ValueError(
-                f"parallel.min_workers with ep_size={self.ep_size}: an expert-parallel run resumes only on the "
-                "layout it was saved on; drop parallel.min_workers or set parallel.ep_size=1"
+                f"parallel.min_workers with ep_size={self.ep_size} needs parallel.zero_stage 1 or 2: experts move "
+                f"to fewer workers from ZeRO's partitions (training/parallel/reshard.py), not with ZeRO-{self.zero_stage}"
             )
         if self.ep_size > 1 and self.compile is True:
             raise ValueError(
@@ -409,12 +409,17 @@ def check_batch(train: TrainConfig, parallel: ParallelConfig, prefix: str = "tra
 
 def worker_counts(train: TrainConfig, parallel: ParallelConfig) -> list[int]:
     """The worker counts a run may go on with, largest first: world_size, and with `min_workers` every smaller
-    count down to it over which the global batch splits evenly into micro-batches. Only world_size when the
-    global batch is not set: it follows the worker count, and another count would be another run."""
+    count down to it over which the global batch splits evenly into micro-batches (and the experts split evenly
+    into groups of ep_size). Only world_size when the global batch is not set: it follows the worker count, and
+    another count would be another run."""
     smallest = parallel.min_workers if train.global_batch_size else None
     smallest = smallest or parallel.world_size
     batches = train.global_batch(parallel.world_size) // train.micro_batch_size
-    return [n for n in range(parallel.world_size, smallest - 1, -1) if batches % n == 0]
+    return [
+        n
+        for n in range(parallel.world_size, smallest - 1, -1)
+        if batches % n == 0 and n % parallel.ep_size == 0
+    ]
 
 
 def check_horizons(train: TrainConfig, optim: OptimConfig) -> None:

@@ -225,3 +225,42 @@ def test_a_file_uri_output_dir_is_its_absolute_path() -> None:
     assert load_recipe("smoke", ["output_dir=file:///tmp/lmforge-out"]).output_dir == "/tmp/lmforge-out"
     with pytest.raises(ValueError, match="a file:// URI needs an absolute path"):
         load_recipe("smoke", ["output_dir=file://outputs"])
+
+
+def test_elastic_worker_counts_keep_the_global_batch() -> None:
+    from training.config import ParallelConfig, TrainConfig, worker_counts
+
+    def counts(world: int, min_workers: int | None, global_batch: int | None = 8, ep: int = 1) -> list[int]:
+        train = TrainConfig(micro_batch_size=2, global_batch_size=global_batch)
+        parallel = ParallelConfig(world_size=world, min_workers=min_workers, ep_size=ep, zero_stage=2)
+        return worker_counts(train, parallel)
+
+    # 4 micro-batches of 2 per step split over 4, 2 or 1 workers, not 3
+    assert counts(4, 1) == [4, 2, 1] and counts(4, 2) == [4, 2] and counts(4, None) == [4]
+    # without a set global batch the run's batch follows its workers: another count would be another run
+    assert counts(4, 1, global_batch=None) == [4]
+    assert counts(4, 1, ep=2) == [4, 2]  # the experts split into groups of ep_size
+    assert "min_workers=5 exceeds parallel.world_size=4" in bad(
+        ["parallel.world_size=4", "parallel.min_workers=5"]
+    )
+    moe = ["parallel.min_workers=1", "parallel.zero_stage=0"]  # moe-small: 2 workers, ep_size 2
+    assert "needs parallel.zero_stage 1 or 2" in bad(moe, "moe-small")
+
+
+def test_an_expert_parallel_checkpoint_without_partitions_is_refused_on_another_layout(tmp_path) -> None:
+    from training.parallel.reshard import LayoutError, check_layout_change
+
+    (tmp_path / "state").mkdir()
+    for rank in range(2):  # fp32 ZeRO-0 with experts spread: each rank's torch optimiser state, whole
+        (tmp_path / "state" / f"expp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+    two, one = {"world_size": 2, "ep_size": 2}, {"world_size": 1, "ep_size": 1}
+    with pytest.raises(LayoutError, match="rerun with parallel.world_size=2 parallel.ep_size=2") as info:
+        check_layout_change(tmp_path / "state", two, one)
+    assert "\n" not in str(info.value) and "fp32 ZeRO-0" in str(info.value)
+    check_layout_change(tmp_path / "state", {"world_size": 2, "ep_size": 1}, one)  # dense: loads whole
+    for rank in range(2):
+        (tmp_path / "state" / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+    check_layout_change(tmp_path / "state", two, one)  # ZeRO 1-2 / bf16 partitions: resharded
+    (tmp_path / "state" / "zero_pp_rank_0_mp_rank_00_model_states.pt").touch()
+    with pytest.raises(LayoutError, match="not ZeRO-3"):
+        check_layout_change(tmp_path / "state", two, one)

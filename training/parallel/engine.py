@@ -6,7 +6,9 @@ swap applied before `deepspeed.initialize`, and checkpoint save/load of module, 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,13 @@ from training.config import OptimConfig, ParallelConfig, TrainConfig
 from training.model.transformer import ModelOutput, Transformer
 from training.optim.optimizers import BuiltByDeepSpeed, build_optimizer, param_groups, set_lr
 from training.parallel.expert_parallel import swap_in_expert_parallel
-from training.parallel.reshard import check_layout_change, partitioned, to_universal
+from training.parallel.reshard import (
+    check_layout_change,
+    experts_to_universal,
+    partitioned,
+    spreads_experts,
+    to_universal,
+)
 
 log = logging.getLogger(__name__)
 DS_TAG = "state"  # DeepSpeed's tag inside each of our checkpoint directories
@@ -122,10 +130,26 @@ class DeepSpeedEngine:
             check_layout_change(directory / DS_TAG, saved_on, self.layout)
         if saved_on is None or not partitioned(directory / DS_TAG):
             return self._load(directory)
-        universal = directory.with_name(f".tmp-universal-{directory.name}")  # `ckpt.commit` clears leftovers
+        # next to the checkpoint (`ckpt.commit` clears what a crash leaves): one conversion per node (a run directory
+        # on object storage is local to each), or with experts spread, one per rank (each owns other experts)
         rank = torch.distributed.get_rank()
-        if rank == 0:
-            to_universal(directory / DS_TAG, universal / DS_TAG)
+        if spreads_experts(saved_on, self.layout):
+            universal, converts = directory.with_name(f".tmp-universal-{directory.name}-rank{rank}"), True
+            parameters = dict(self.ds.module.named_parameters())
+            experts_to_universal(
+                directory / DS_TAG,
+                universal / DS_TAG,
+                saved_on,
+                self.layout,
+                rank,
+                parameters,
+                self.ds.optimizer.optimizer.param_groups,
+            )
+        else:
+            universal = directory.with_name(f".tmp-universal-{directory.name}-{socket.gethostname()}")
+            converts = int(os.environ.get("LOCAL_RANK", "0")) == 0
+            if converts:
+                to_universal(directory / DS_TAG, universal / DS_TAG)
         torch.distributed.barrier()
         self.ds._config.load_universal_checkpoint = True  # DeepSpeed reads it at each load, not only at start
         try:
@@ -133,7 +157,7 @@ class DeepSpeedEngine:
         finally:
             self.ds._config.load_universal_checkpoint = False
         torch.distributed.barrier()
-        if rank == 0:
+        if converts:
             shutil.rmtree(universal)
 
     def _load(self, directory: Path) -> None:
