@@ -304,6 +304,8 @@ def test_an_elastic_run_goes_on_with_the_workers_the_cluster_has_left(
     import psutil
     import ray
 
+    from infra.ray_cluster import ensure_ray
+
     out = tmp_path / "elastic"
     settings = [*RESUME_STEPS, "parallel.min_workers=1", "parallel.max_failures=1"]
     finished: list[TrainedModel | BaseException] = []
@@ -314,6 +316,9 @@ def test_an_elastic_run_goes_on_with_the_workers_the_cluster_has_left(
         except BaseException as error:  # noqa: BLE001 - handed to the test thread
             finished.append(error)
 
+    # Ray started from this (main) thread: its processes die with the thread that started them (PR_SET_PDEATHSIG),
+    # and the driver thread ends before the module's other tests use them
+    ensure_ray(3)
     driver = threading.Thread(target=run, daemon=True)
     driver.start()
     deadline = time.monotonic() + 300
