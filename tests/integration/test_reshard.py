@@ -1,7 +1,8 @@
-"""Expert-parallel state moved to another layout and back, expert by expert: DeepSpeed engines in spawned gloo
-processes save a bf16 ZeRO-2 MoE at EP=2 on 2 ranks, load it at EP=1 on 1 rank (our stacked experts) and save,
-load that at EP=2 on 2 ranks and save; every expert's fp32 master weight, Adam moments and step survive both moves
-exactly, and the weights the EP=1 engine computes with are the EP=2 engines' experts in their global order."""
+"""Optimiser state moved to other layouts and back, parameter by parameter, in DeepSpeed engines of spawned gloo
+processes (training/parallel/reshard.py). A bf16 ZeRO-2 MoE saved at EP=2 on 2 ranks, loaded at EP=1 on 1 rank (our
+stacked experts) and saved, loaded at EP=2 on 2 ranks and saved: every expert's fp32 master weight, Adam moments and
+step survive both moves exactly, and the EP=1 engine computes with the EP=2 engines' experts in their global order.
+A dense bf16 ZeRO-3 model (weights partitioned too) saved on 2 ranks, moved to 1 and then to 4: the same."""
 
 from __future__ import annotations
 
@@ -17,14 +18,21 @@ from tests.pretrain_helpers import MOE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-SETTINGS = [MOE, "parallel.zero_stage=2", "parallel.precision=bf16", "train.micro_batch_size=2"]
+MOE_SETTINGS = [MOE, "parallel.zero_stage=2", "parallel.precision=bf16", "train.micro_batch_size=2"]
 
 
 def engine_process(
-    rank: int, world: int, port: int, ep: int, load: str | None, save: str, saved_on: dict
+    rank: int,
+    world: int,
+    ep: int,
+    port: int,
+    settings: list[str],
+    load: str | None,
+    save: str,
+    saved_on: dict,
 ) -> None:
-    """One rank: build the engine on (world, ep), optionally load `load` (written on `saved_on`), train two steps
-    if nothing was loaded, save to `save`, and dump the module's weights."""
+    """One rank of the smoke recipe with `settings` on `world` ranks, experts over `ep`: build the engine, load
+    `load` (written on `saved_on`) or train two steps, save to `save`, and dump the module's weights."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -39,16 +47,16 @@ def engine_process(
     from training.parallel import build_engine, init_distributed
 
     init_distributed()
-    recipe = load_recipe(
-        "smoke",
-        [*SETTINGS, f"parallel.world_size={world}", f"parallel.ep_size={ep}", "train.global_batch_size=4"],
-    )
-    engine = build_engine(Transformer(recipe.model, seed=0), recipe.optim, recipe.parallel, recipe.train)
+    recipe = load_recipe("smoke", [*settings, "train.global_batch_size=4"])
+    # the layout set here: the recipe's other stages need not fit it
+    parallel = recipe.parallel.model_copy(update={"world_size": world, "ep_size": ep})
+    engine = build_engine(Transformer(recipe.model, seed=0), recipe.optim, parallel, recipe.train)
     if load is None:
         tokens = torch.Generator().manual_seed(rank)
+        micro = recipe.train.micro_batch_size
         for _ in range(2):
             for _ in range(engine.accumulation_steps):
-                batch = torch.randint(0, recipe.model.vocab_size, (2, 33), generator=tokens)
+                batch = torch.randint(0, recipe.model.vocab_size, (micro, 33), generator=tokens)
                 engine.backward(engine.forward(Batch(batch[:, :-1], batch[:, 1:])).loss)
             engine.step(1e-3)
     else:
@@ -59,12 +67,17 @@ def engine_process(
     torch.save(weights, f"{save}/weights-rank{rank}.pt")
 
 
-def spawn(world: int, ep: int, load: Path | None, save: Path, saved_on: dict | None = None) -> None:
+def spawn(
+    world: int, settings: list[str], load: Path | None, save: Path, saved_on: dict | None = None, ep: int = 1
+) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = (world, port, ep, str(load) if load else None, str(save), saved_on)
-    mp.spawn(engine_process, args=args, nprocs=world)
+    args = (world, ep, port, settings, str(load) if load else None, str(save), saved_on)
+    # a fork server that imported torch and DeepSpeed once (~8 s a process here); not a fork of this process,
+    # whose process group (an in-process engine test's) the ranks must not inherit
+    mp.set_forkserver_preload(["torch", "deepspeed", "training.parallel", "flows.recipe"])
+    mp.start_processes(engine_process, args=args, nprocs=world, start_method="forkserver")
 
 
 def per_expert(state_dir: Path, saved_on: dict) -> dict:
@@ -87,9 +100,9 @@ def test_expert_parallel_state_moves_to_one_rank_and_back_expert_by_expert(tmp_p
     from training.parallel.engine import DS_TAG
 
     two, one, back = tmp_path / "ep2", tmp_path / "ep1", tmp_path / "ep2-again"
-    spawn(2, 2, None, two)
-    spawn(1, 1, two, one, {"world_size": 2, "ep_size": 2})
-    spawn(2, 2, one, back, {"world_size": 1, "ep_size": 1})
+    spawn(2, MOE_SETTINGS, None, two, ep=2)
+    spawn(1, MOE_SETTINGS, two, one, {"world_size": 2, "ep_size": 2})
+    spawn(2, MOE_SETTINGS, one, back, {"world_size": 1, "ep_size": 1}, ep=2)
 
     saved = per_expert(two / DS_TAG, {"world_size": 2, "ep_size": 2})
     assert (
@@ -115,3 +128,40 @@ def test_expert_parallel_state_moves_to_one_rank_and_back_expert_by_expert(tmp_p
                     layer,
                     e,
                 )
+
+
+def test_zero3_state_moves_from_two_ranks_to_one_and_to_four(tmp_path: Path) -> None:
+    """DeepSpeed's universal checkpoint, for weights partitioned too: fp32 master weights and Adam moments equal
+    after 2 -> 1 -> 4 ranks, read back through the same conversion."""
+    from training.parallel.engine import DS_TAG
+    from training.parallel.reshard import to_universal
+
+    settings = ["parallel.zero_stage=3", "parallel.precision=bf16", "train.micro_batch_size=1"]
+    two, one, four = tmp_path / "two", tmp_path / "one", tmp_path / "four"
+    spawn(2, settings, None, two)
+    spawn(1, settings, two, one, {"world_size": 2, "ep_size": 1})
+    spawn(4, settings, one, four, {"world_size": 1, "ep_size": 1})
+    states = []
+    for saved in (two, one, four):
+        to_universal(saved / DS_TAG, tmp_path / f"universal-{saved.name}")
+        zero = tmp_path / f"universal-{saved.name}" / "zero"
+        states.append(
+            {
+                f"{param.name}/{which}": tensor_in(param / f"{which}.pt")
+                for param in zero.iterdir()
+                if param.is_dir()
+                for which in ("fp32", "exp_avg", "exp_avg_sq")
+            }
+        )
+    assert len(states[0]) == 3 * 21  # the smoke model's parameters
+    for moved in states[1:]:
+        assert moved.keys() == states[0].keys()
+        assert all(torch.equal(moved[k], states[0][k]) for k in states[0]), [
+            k for k in states[0] if not torch.equal(moved[k], states[0][k])
+        ]
+
+
+def tensor_in(path: Path) -> torch.Tensor:
+    """A universal checkpoint file's tensor (ZeRO 1-2 files wrap it in a dict, ZeRO-3's do not)."""
+    saved = torch.load(path, weights_only=False)
+    return saved["param"] if isinstance(saved, dict) else saved
