@@ -109,6 +109,11 @@ def gather_partitions(state_dir: Path, saved_on: dict[str, int]) -> tuple[dict, 
         for group, names in enumerate(mappings):
             flat = {"fp32": sd["single_partition_of_fp32_groups"][group]}
             state = sd["base_optimizer_state"]["state"][group]
+            if not set(STATES[1:]) <= set(state):
+                raise LayoutError(
+                    f"{path}: optimiser state {sorted(state)} moves between layouts only as Adam's moments; rerun "
+                    f"with parallel.world_size={saved_on['world_size']} parallel.ep_size={saved_on.get('ep_size', 1)}"
+                )
             flat |= {name: state[name] for name in STATES[1:]}
             step = state["step"]
             for name, fragment in names.items():
@@ -178,11 +183,8 @@ def _states_for(
                 f"{state_dir}: {len(experts)} experts saved for {name}, the model has {shape[0]}"
             )
         return {w: torch.stack([whole[base, e][w].view(shape[1:]) for e in experts]) for w in STATES}
-    if (
-        expert is not None and (base, expert) not in whole and (base, None) in whole
-    ):  # one of our stacked experts
-        stacked = whole[base, None]
-        return {w: stacked[w].view(-1, *shape)[expert] for w in STATES}
+    if expert is not None and (base, expert) not in whole and (base, None) in whole:  # one of our stacked
+        return {w: whole[base, None][w].view(-1, *shape)[expert] for w in STATES}
     if key not in whole:
         raise LayoutError(
             f"{state_dir}: no saved state for {name} (expert {expert}); the model does not match"
