@@ -638,7 +638,16 @@ def load_checkpoint(engine: Engine, setup: LoopSetup, checkpoint: Path) -> tuple
     )
     ckpt.set_rng_state(rank_state["rng"])
     state = LoopState(**meta["loop"])
-    if setup.rank == 0:
-        moved_from = f", saved on {describe_layout(saved_on)}, now on {describe_layout(now)}" if moved else ""
-        log.info("resumed from %s at step %d%s", checkpoint, state.step, moved_from)
+    if (
+        setup.rank == 0 and moved
+    ):  # a warning: the one line a CLI user sees of it (sums now round differently)
+        log.warning(
+            "resumed from %s at step %d, saved on %s, now on %s",
+            checkpoint,
+            state.step,
+            describe_layout(saved_on),
+            describe_layout(now),
+        )
+    elif setup.rank == 0:
+        log.info("resumed from %s at step %d", checkpoint, state.step)
     return state, rank_state["loader"]
