@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -298,3 +299,38 @@ class PreferenceLoader(SampledLoader):
         ]  # every chosen row, then every rejected
         reference = None if self.reference is None else torch.from_numpy(self.reference[indices])
         return PairBatch(*padded_rows(rows, self.seq_len, self.pad_id), reference)
+
+
+def preference_loaders(
+    manifest: PreferenceManifest,
+    *,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    accumulation: int,
+    reference: Callable[[str], np.ndarray] | None = None,
+) -> tuple[PreferenceLoader, PreferenceLoader]:
+    """A training stage's pairs: the training split shuffled (epochs of whole optimiser steps) and the held-out
+    split in order — one smaller than a batch per rank is still scored, in smaller batches. `reference(split)`:
+    that split's reference log-probabilities (DPO)."""
+    common = {"rank": rank, "world_size": world_size}
+    train = PreferenceLoader(
+        manifest,
+        "train",
+        batch_size=batch_size,
+        seed=seed,
+        accumulation=accumulation,
+        reference=reference("train") if reference else None,
+        **common,
+    )
+    heldout_batch = max(1, min(batch_size, manifest.counts["heldout"] // world_size))
+    heldout = PreferenceLoader(
+        manifest,
+        "heldout",
+        batch_size=heldout_batch,
+        shuffle=False,
+        reference=reference("heldout") if reference else None,
+        **common,
+    )
+    return train, heldout

@@ -50,9 +50,13 @@ def check_layout_change(state_dir: Path, saved_on: dict[str, int], now: dict[str
     if spreads_experts(saved_on, now) and (zero3 or not partitioned(state_dir)):
         raise LayoutError(
             f"{state_dir.parent}: saved with {describe_layout(saved_on)}; an expert-parallel run moves to another "
-            f"layout only with ZeRO 1-2 or bf16 (not {'ZeRO-3' if zero3 else 'fp32 ZeRO-0'}): rerun with "
-            f"parallel.world_size={saved_on['world_size']} parallel.ep_size={saved_on.get('ep_size', 1)}"
+            f"layout only with ZeRO 1-2 or bf16 (not {'ZeRO-3' if zero3 else 'fp32 ZeRO-0'}): {rerun_on(saved_on)}"
         )
+
+
+def rerun_on(saved_on: dict[str, int]) -> str:
+    """The fix a refusal names: the layout the checkpoint was saved on."""
+    return f"rerun with parallel.world_size={saved_on['world_size']} parallel.ep_size={saved_on.get('ep_size', 1)}"
 
 
 def to_universal(state_dir: Path, out: Path) -> None:
@@ -111,8 +115,8 @@ def gather_partitions(state_dir: Path, saved_on: dict[str, int]) -> tuple[dict, 
             state = sd["base_optimizer_state"]["state"][group]
             if not set(STATES[1:]) <= set(state):
                 raise LayoutError(
-                    f"{path}: optimiser state {sorted(state)} moves between layouts only as Adam's moments; rerun "
-                    f"with parallel.world_size={saved_on['world_size']} parallel.ep_size={saved_on.get('ep_size', 1)}"
+                    f"{path}: optimiser state {sorted(state)} moves between layouts only as Adam's moments; "
+                    f"{rerun_on(saved_on)}"
                 )
             flat |= {name: state[name] for name in STATES[1:]}
             step = state["step"]

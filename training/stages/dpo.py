@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from data_pipeline.loader import IGNORE_INDEX, SampledLoader
-from data_pipeline.preference import PairBatch, PreferenceLoader, PreferenceManifest
+from data_pipeline.preference import PairBatch, PreferenceLoader, PreferenceManifest, preference_loaders
 from data_pipeline.sources import DataError
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_bytes, atomic_write_json
@@ -233,24 +233,16 @@ class Preference(TunedFromBase):
         return policy_model(job.inputs["base"], job.spec)
 
     def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
-        data, reference = job.inputs["data"], job.inputs["reference"]
-        batch = job.spec.train.micro_batch_size
-        common = {"rank": rank, "world_size": world}
-        train = PreferenceLoader(
-            data,
-            "train",
-            batch_size=batch,
-            seed=job.spec.train.seed,
-            accumulation=job.spec.train.grad_accum_steps(world),
-            reference=reference.array("train"),
-            **common,
+        train = job.spec.train
+        return preference_loaders(
+            job.inputs["data"],
+            batch_size=train.micro_batch_size,
+            rank=rank,
+            world_size=world,
+            seed=train.seed,
+            accumulation=train.grad_accum_steps(world),
+            reference=job.inputs["reference"].array,
         )
-        # a held-out set smaller than a batch per rank is still scored, in smaller batches
-        batch = max(1, min(batch, data.counts["heldout"] // world))
-        heldout = PreferenceLoader(
-            data, "heldout", batch_size=batch, shuffle=False, reference=reference.array("heldout"), **common
-        )
-        return train, heldout
 
     def objective(self, job: TrainingJob) -> PreferenceObjective:
         return PreferenceObjective(job.spec.loss)

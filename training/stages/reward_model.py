@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from data_pipeline.loader import SampledLoader
-from data_pipeline.preference import PairBatch, PreferenceLoader, PreferenceManifest
+from data_pipeline.preference import PairBatch, PreferenceLoader, PreferenceManifest, preference_loaders
 from infra.steps import Artifact
 from infra.storage import atomic_write_json
 from infra.tracking import Tracker
@@ -107,18 +107,15 @@ class RewardModelling(TunedFromBase):
         return reward_model(job.inputs["base"], job.inputs["data"].pad_id)
 
     def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
-        data, batch = job.inputs["data"], job.spec.train.micro_batch_size
-        common = {"rank": rank, "world_size": world}
-        train = PreferenceLoader(
-            data,
-            "train",
-            batch_size=batch,
-            seed=job.spec.train.seed,
-            accumulation=job.spec.train.grad_accum_steps(world),
-            **common,
+        train = job.spec.train
+        return preference_loaders(
+            job.inputs["data"],
+            batch_size=train.micro_batch_size,
+            rank=rank,
+            world_size=world,
+            seed=train.seed,
+            accumulation=train.grad_accum_steps(world),
         )
-        batch = max(1, min(batch, data.counts["heldout"] // world))
-        return train, PreferenceLoader(data, "heldout", batch_size=batch, shuffle=False, **common)
 
     def objective(self, job: TrainingJob) -> RewardObjective:
         return RewardObjective(job.spec.centring)
