@@ -8,7 +8,9 @@ every weight is exactly 1. A micro-batch whose loss is not finite on any
 rank is not back-propagated (a zero loss keeps the ranks' collectives in step) and the step is taken at learning
 rate 0, so weights stay bit-identical; such steps are counted, and the run stops after `max_bad_steps` in a
 row. (Adam's moments still decay once on a skipped step.) A non-finite gradient norm after a step cannot be
-undone and stops the run at once. A loss spike (`spike_limit`) is skipped like a non-finite loss. Phases: eval,
+undone and stops the run at once. A loss spike (`spike_limit`) is skipped like a non-finite loss; a gradient-norm
+spike is known only once the update is applied (DeepSpeed's ZeRO optimisers compute the norm inside their step),
+so it is logged and counts toward the roll-back, which undoes it. Phases: eval,
 (decay branch), step, log, checkpoint. With `train.horizons` a WSD run also decays a branch to each shorter horizon
 and restores its stable state (`decay_branch`). A step is guarded by the hang watchdog (`training/watchdog.py`);
 SIGTERM/SIGINT end the run with a checkpoint at the next step boundary (`training/preemption.py`).
@@ -70,8 +72,10 @@ class LoopState:
     skipped_steps: int = 0
     consecutive_bad: int = 0
     spikes: int = 0
-    # the losses of the last `train.spike_window` accepted steps (the spike detector's window)
+    # the losses and gradient norms of the last `train.spike_window` accepted steps (the spike detector's windows)
     recent_losses: list[float] = field(default_factory=list)
+    recent_grad_norms: list[float] = field(default_factory=list)
+    grad_spikes: int = 0
     # the steps of the spikes within the last `train.rollback_window` steps, and the roll-backs so far
     spike_steps: list[int] = field(default_factory=list)
     rollbacks: int = 0
@@ -296,6 +300,7 @@ def train_loop(
                 local_times = []
 
             # --- log
+            spiked = False
             if outcome.loss is None:
                 state.skipped_steps += 1
                 state.consecutive_bad += 1
@@ -303,37 +308,31 @@ def train_loop(
                 if outcome.spike is not None:
                     state.spikes += 1
                     skipped |= {"train/spikes": state.spikes, "train/spike_loss": outcome.spike}
-                    log_spike(state.step, outcome.spike, limit, cfg.spike_window, train, setup.rank)
-                    state.spike_steps = [
-                        s for s in [*state.spike_steps, state.step] if s > state.step - cfg.rollback_window
-                    ]
+                    what = f"step {state.step} skipped: a micro-batch's loss {outcome.spike:.4f}"
+                    log_spike(what, limit, cfg, train, setup.rank)
+                    spiked = True
                 log(skipped, state.step)
-                if outcome.spike is not None and 0 < cfg.rollback_spikes <= len(state.spike_steps):
-                    if pending is not None:
-                        finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
-                        pending = None
-                    rolled = roll_back(engine, train, setup, state)
-                    if rolled is not None:
-                        log(
-                            {"train/rollbacks": rolled.rollbacks, "train/rollback_to": rolled.step},
-                            state.step,
-                        )
-                        state = rolled
-                        continue
-                if state.consecutive_bad >= cfg.max_bad_steps:
-                    what = "a loss spike" if outcome.spike is not None else "a non-finite loss"
-                    raise TrainingHalted(
-                        f"{state.consecutive_bad} consecutive steps were skipped (the last for {what}, at step "
-                        f"{state.step}); lower optim.lr or check the data (a lasting rise is not a spike: raise "
-                        f"train.spike_sigmas or set train.spike_window=0); the last good checkpoint is "
-                        f"{ckpt.latest_checkpoint(checkpoints)}"
-                    )
             else:
                 state.consecutive_bad = 0
                 state.recent_losses = (
                     [*state.recent_losses, outcome.loss][-cfg.spike_window :] if cfg.spike_window else []
                 )
                 check_grad_norm(outcome.grad_norm, state.step, checkpoints)
+                norm_limit = spike_limit(state.recent_grad_norms, cfg)
+                if norm_limit is not None and outcome.grad_norm > norm_limit:
+                    state.grad_spikes += 1
+                    spike = {
+                        "train/grad_spikes": state.grad_spikes,
+                        "train/grad_spike_norm": outcome.grad_norm,
+                    }
+                    log(spike, state.step)
+                    what = f"step {state.step}: the gradient norm {outcome.grad_norm:.4f} (its update is applied)"
+                    log_spike(what, norm_limit, cfg, train, setup.rank)
+                    spiked = True
+                elif cfg.spike_window:
+                    state.recent_grad_norms = [*state.recent_grad_norms, outcome.grad_norm][
+                        -cfg.spike_window :
+                    ]
                 tokens_per_s = tokens_per_step / elapsed
                 metrics = {
                     "train/loss": outcome.loss,
@@ -348,6 +347,30 @@ def train_loop(
                 log(metrics, state.step)
                 if setup.progress is not None and setup.rank == 0:
                     setup.progress(state.step, outcome.loss, tokens_per_s)
+            if spiked:
+                state.spike_steps = [
+                    s for s in [*state.spike_steps, state.step] if s > state.step - cfg.rollback_window
+                ]
+                if rolls_back(state, cfg):
+                    if pending is not None:
+                        finish_checkpoint(engine, setup, pending, cfg.keep_checkpoints)
+                        pending = None
+                    rolled = roll_back(engine, train, setup, state)
+                    if rolled is not None:
+                        log(
+                            {"train/rollbacks": rolled.rollbacks, "train/rollback_to": rolled.step},
+                            state.step,
+                        )
+                        state = rolled
+                        continue
+            if outcome.loss is None and state.consecutive_bad >= cfg.max_bad_steps:
+                what = "a loss spike" if outcome.spike is not None else "a non-finite loss"
+                raise TrainingHalted(
+                    f"{state.consecutive_bad} consecutive steps were skipped (the last for {what}, at step "
+                    f"{state.step}); lower optim.lr or check the data (a lasting rise is not a spike: raise "
+                    f"train.spike_sigmas or set train.spike_window=0); the last good checkpoint is "
+                    f"{ckpt.latest_checkpoint(checkpoints)}"
+                )
 
             # --- checkpoint (with async_checkpoint the previous one is completed first, this one at the next);
             # a stop request (SIGTERM, SIGINT) checkpoints now, waits for it, and ends the run
@@ -419,7 +442,7 @@ def roll_back(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState
     checkpoints = setup.run_dir / "checkpoints"
     if state.rollbacks >= MAX_ROLLBACKS:
         raise TrainingHalted(
-            f"{state.rollbacks} roll-backs did not stop the loss spikes (the last at step {state.step}); lower "
+            f"{state.rollbacks} roll-backs did not stop the spikes (the last at step {state.step}); lower "
             f"optim.lr or check the data; the last good checkpoint is {ckpt.latest_checkpoint(checkpoints)}"
         )
     first = state.spike_steps[0]
@@ -432,7 +455,7 @@ def roll_back(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState
     if target < 0 or setup.remote is not None or ckpt.damage(ckpt.step_dir(checkpoints, target)) is not None:
         if setup.rank == 0:
             log.warning(
-                "%d loss spikes since step %d but no checkpoint before them to roll back to%s: the steps were "
+                "%d spikes since step %d but no checkpoint before them to roll back to%s: the steps were "
                 "skipped and training goes on",
                 len(state.spike_steps),
                 first,
@@ -451,7 +474,7 @@ def roll_back(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState
     barrier()
     if setup.rank == 0:
         log.warning(
-            "rolled back from step %d to the checkpoint of step %d after %d loss spikes (steps %s); the batches "
+            "rolled back from step %d to the checkpoint of step %d after %d spikes (steps %s); the batches "
             "since are skipped, the loader goes on at %s",
             state.step,
             target,
@@ -463,20 +486,25 @@ def roll_back(engine: Engine, train: Batches, setup: LoopSetup, state: LoopState
         saved,
         skipped_steps=state.skipped_steps,
         spikes=state.spikes,
+        grad_spikes=state.grad_spikes,
         spike_steps=[],
         rollbacks=state.rollbacks + 1,
     )
 
 
-def log_spike(step: int, loss: float, limit: float | None, window: int, train: Batches, rank: int) -> None:
-    """One line naming the skipped step, its loss against the limit, and where the loader was (the batch)."""
+def rolls_back(state: LoopState, cfg: TrainConfig) -> bool:
+    """Whether the recent spikes (of the loss or the gradient norm) call for a roll-back."""
+    return 0 < cfg.rollback_spikes <= len(state.spike_steps)
+
+
+def log_spike(what: str, limit: float | None, cfg: TrainConfig, train: Batches, rank: int) -> None:
+    """One line naming the step, the spiking value against the limit, and where the loader was (the batch)."""
     if rank == 0:
         log.warning(
-            "step %d skipped: a micro-batch's loss %.4f is a spike (limit %.4f from the last %d steps); loader at %s",
-            step,
-            loss,
+            "%s is a spike (limit %.4f from the last %d steps); loader at %s",
+            what,
             limit,
-            window,
+            cfg.spike_window,
             train.state_dict(),
         )
 

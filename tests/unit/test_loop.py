@@ -327,6 +327,17 @@ class SpikeAt:
         return Outcome(out.loss * 10, out.aux_loss) if self.calls in self.poisoned else out
 
 
+class GradientSpikeAt(SpikeAt):
+    """The loss as it is, its gradient ten times too large on the given calls (the loss detector cannot see it)."""
+
+    def __call__(self, engine: PlainEngine, batch: Batch) -> Outcome:
+        self.calls += 1
+        out = self.inner(engine, batch)
+        if self.calls not in self.poisoned:
+            return out
+        return Outcome(out.loss * 10 - (out.loss * 9).detach(), out.aux_loss)
+
+
 class CheckpointsAtRollBack(NullTracker):
     """Records which checkpoints exist when a roll-back is logged."""
 
@@ -339,7 +350,12 @@ class CheckpointsAtRollBack(NullTracker):
 
 
 def spiky_run(
-    tmp_path: Path, poisoned: set[int], steps: int, tracker: NullTracker | None = None, **train: Any
+    tmp_path: Path,
+    poisoned: set[int],
+    steps: int,
+    tracker: NullTracker | None = None,
+    spikes: type[SpikeAt] = SpikeAt,
+    **train: Any,
 ) -> tuple[PlainEngine, LoopState]:
     """SGD on one repeated batch (a smoothly falling loss) with the loss spiking on the `poisoned` calls."""
     generator = torch.Generator().manual_seed(0)
@@ -355,7 +371,7 @@ def spiky_run(
     setup = LoopSetup(run_dir=tmp_path, rank=0, world_size=1, flops_per_token=1, peak_flops=1.0, meta={})
     batches = Fixed([batch] * 2 * steps)  # a roll-back trains some steps again, on later batches
     tracker = tracker or NullTracker()
-    state = train_loop(engine, batches, None, cfg, optim, setup, tracker, LoopState(), SpikeAt(poisoned))
+    state = train_loop(engine, batches, None, cfg, optim, setup, tracker, LoopState(), spikes(poisoned))
     return engine, state
 
 
@@ -404,7 +420,7 @@ def test_repeated_spikes_roll_back_to_the_checkpoint_before_them(tmp_path: Path,
     assert all(
         torch.equal(a, b) for a, b in zip(clean.module.parameters(), rolled.module.parameters(), strict=True)
     )
-    assert "rolled back from step 17 to the checkpoint of step 10 after 3 loss spikes (steps 12, 16, 17)" in (
+    assert "rolled back from step 17 to the checkpoint of step 10 after 3 spikes (steps 12, 16, 17)" in (
         caplog.text
     )
     records = [json.loads(line) for line in (tmp_path / "rolled" / "metrics.jsonl").read_text().splitlines()]
@@ -419,6 +435,30 @@ def test_repeated_spikes_roll_back_to_the_checkpoint_before_them(tmp_path: Path,
     off, _ = spiky_run(tmp_path / "off", {12, 16, 17}, 20, rollback_spikes=0, **settings)
     assert not all(
         torch.equal(a, b) for a, b in zip(clean.module.parameters(), off.module.parameters(), strict=True)
+    )
+
+
+def test_gradient_norm_spikes_are_logged_and_roll_the_run_back(tmp_path: Path, caplog) -> None:
+    """A gradient ten times too large at an unchanged loss (step 12): its update is applied (the norm is known only
+    after it) and it is logged with its step and counted; with `rollback_spikes=1` the run rolls back to step 10's
+    checkpoint and ends where a clean run ends, while roll-back off leaves the update in the weights."""
+    caplog.set_level(logging.WARNING, logger="training.loop")
+    clean, clean_state = spiky_run(tmp_path / "clean", set(), 20)
+    assert clean_state.grad_spikes == 0
+    settings = {"checkpoint_every": 5, "spikes": GradientSpikeAt}
+    off, state = spiky_run(tmp_path / "off", {12}, 20, rollback_spikes=0, **settings)
+    assert state.grad_spikes >= 1 and state.skipped_steps == 0 and state.rollbacks == 0
+    assert "step 12: the gradient norm" in caplog.text
+    records = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/grad_spikes" in r][0] == 12
+    assert not all(
+        torch.equal(a, b) for a, b in zip(clean.module.parameters(), off.module.parameters(), strict=True)
+    )
+    rolled, state = spiky_run(tmp_path / "rolled", {12}, 20, rollback_spikes=1, **settings)
+    assert state.rollbacks == 1 and state.grad_spikes == 1 and state.step == 20
+    assert "rolled back from step 12 to the checkpoint of step 10 after 1 spikes (steps 12)" in caplog.text
+    assert all(
+        torch.equal(a, b) for a, b in zip(clean.module.parameters(), rolled.module.parameters(), strict=True)
     )
 
 
