@@ -96,3 +96,45 @@ def test_router_losses_carry_gradients(generator: torch.Generator) -> None:
 def test_layer_placement(first_k_dense: int, every: int, expected: list[int]) -> None:
     cfg = MoEConfig(n_experts=2, top_k=1, d_ff_expert=4, first_k_dense=first_k_dense, every_n_layers=every)
     assert [i for i in range(4) if cfg.is_moe_layer(i)] == expected
+
+
+def test_padded_expert_rows_change_nothing_but_the_layout(generator: torch.Generator) -> None:
+    """Each expert's rows padded to a multiple of 32 (what a CPU does in bf16, so oneDNN reuses its GEMM kernels):
+    every group starts at a multiple of 32 and holds its own assignments, and the output and every gradient equal
+    the packed layout's, on skewed routing (one expert empty, one with most tokens)."""
+    from training.model.moe import padded_rows
+
+    counts = torch.tensor([3, 0, 40, 1])
+    sorted_ids = torch.repeat_interleave(torch.arange(4), counts)
+    rows, ends = padded_rows(counts, sorted_ids, 32)
+    assert ends.tolist() == [32, 32, 96, 128] and ends.dtype == torch.int32
+    assert rows.tolist() == [0, 1, 2, *range(32, 72), 96]
+    moe = MoE(16, MoEConfig(n_experts=4, top_k=2, d_ff_expert=8))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(generator=generator)
+        moe.gate.weight.mul_(5)
+    x = torch.randn(40, 16, generator=generator)
+    results = []
+    for multiple in (1, 32):
+        moe.zero_grad()
+        inputs = x.clone().requires_grad_()
+        weights, ids, _, _ = moe.gate(inputs)
+        y = moe.experts(inputs, weights, ids, row_multiple=multiple)
+        y.square().sum().backward()
+        results.append([y, inputs.grad, *(p.grad.clone() for p in moe.parameters())])
+    for packed, padded in zip(*results, strict=True):
+        torch.testing.assert_close(padded, packed, rtol=1e-6, atol=1e-6)
+
+
+def test_experts_compute_in_the_autocast_dtype_and_pad_on_a_cpu_in_bf16() -> None:
+    """Autocast does not cover `grouped_mm`: the experts cast to its dtype themselves (in fp32 they ran at a third
+    of the dense layers' pace in bf16), and pad their rows only where oneDNN compiles per shape (CPU, bf16/fp16)."""
+    from training.model.moe import gemm_row_multiple, grouped_linear
+
+    x, weight, ends = torch.randn(6, 16), torch.randn(2, 8, 16), torch.tensor([4, 6], dtype=torch.int32)
+    assert grouped_linear(x, weight, ends).dtype == torch.float32
+    assert gemm_row_multiple(x) == 1 and gemm_row_multiple(x.bfloat16()) == 32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert grouped_linear(x, weight, ends).dtype == torch.bfloat16
+        assert gemm_row_multiple(x) == 32
