@@ -420,7 +420,7 @@ def test_repeated_spikes_roll_back_to_the_checkpoint_before_them(tmp_path: Path,
     assert all(
         torch.equal(a, b) for a, b in zip(clean.module.parameters(), rolled.module.parameters(), strict=True)
     )
-    assert "rolled back from step 17 to the checkpoint of step 10 after 3 spikes (steps 12, 16, 17)" in (
+    assert "rolled back from step 17 to the checkpoint of step 10 after 3 loss spikes (steps 12, 16, 17)" in (
         caplog.text
     )
     records = [json.loads(line) for line in (tmp_path / "rolled" / "metrics.jsonl").read_text().splitlines()]
@@ -438,27 +438,23 @@ def test_repeated_spikes_roll_back_to_the_checkpoint_before_them(tmp_path: Path,
     )
 
 
-def test_gradient_norm_spikes_are_logged_and_roll_the_run_back(tmp_path: Path, caplog) -> None:
-    """A gradient ten times too large at an unchanged loss (step 12): its update is applied (the norm is known only
-    after it) and it is logged with its step and counted; with `rollback_spikes=1` the run rolls back to step 10's
-    checkpoint and ends where a clean run ends, while roll-back off leaves the update in the weights."""
-    caplog.set_level(logging.WARNING, logger="training.loop")
+def test_gradient_norm_spikes_are_counted_and_logged_but_not_undone(tmp_path: Path, caplog) -> None:
+    """A gradient ten times too large at an unchanged loss (step 12): counted and logged with its step; its update
+    is applied (the norm is known only after it), and it does not count toward the roll-back, even at
+    `rollback_spikes=1`: healthy small runs have such norms (60 in 212 runs of the test suite)."""
+    caplog.set_level(logging.INFO, logger="training.loop")
     clean, clean_state = spiky_run(tmp_path / "clean", set(), 20)
     assert clean_state.grad_spikes == 0
-    settings = {"checkpoint_every": 5, "spikes": GradientSpikeAt}
-    off, state = spiky_run(tmp_path / "off", {12}, 20, rollback_spikes=0, **settings)
-    assert state.grad_spikes >= 1 and state.skipped_steps == 0 and state.rollbacks == 0
-    assert "step 12: the gradient norm" in caplog.text
-    records = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "train/grad_spikes" in r][0] == 12
-    assert not all(
-        torch.equal(a, b) for a, b in zip(clean.module.parameters(), off.module.parameters(), strict=True)
+    spiked, state = spiky_run(
+        tmp_path / "spiked", {12}, 20, spikes=GradientSpikeAt, checkpoint_every=5, rollback_spikes=1
     )
-    rolled, state = spiky_run(tmp_path / "rolled", {12}, 20, rollback_spikes=1, **settings)
-    assert state.rollbacks == 1 and state.grad_spikes == 1 and state.step == 20
-    assert "rolled back from step 12 to the checkpoint of step 10 after 1 spikes (steps 12)" in caplog.text
-    assert all(
-        torch.equal(a, b) for a, b in zip(clean.module.parameters(), rolled.module.parameters(), strict=True)
+    assert state.grad_spikes >= 1 and state.skipped_steps == 0 and state.rollbacks == 0
+    assert "step 12: the gradient norm" in caplog.text and "is a spike" in caplog.text
+    records = [json.loads(line) for line in (tmp_path / "spiked" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/grad_spikes" in r][0] == 12
+    assert not any("train/rollbacks" in r for r in records)
+    assert not all(
+        torch.equal(a, b) for a, b in zip(clean.module.parameters(), spiked.module.parameters(), strict=True)
     )
 
 
