@@ -86,9 +86,8 @@ class Experts(nn.Module):
             routed = F.pad(x, (0, 0, 0, 1)).index_select(0, source)
         gate, up = grouped_linear(routed, self.gate_up_proj, ends).chunk(2, dim=-1)  # (rows, I)
         y = grouped_linear(F.silu(gate) * up, self.down_proj, ends)  # (rows, H), grouped by expert
-        y = y.index_select(0, rows[order.argsort()]).view(
-            n_tokens, top_k, -1
-        )  # back in (token, choice) order
+        # back in (token, choice) order
+        y = y.index_select(0, rows[order.argsort()]).view(n_tokens, top_k, -1)
         return (y * weights.unsqueeze(-1)).sum(dim=1)
 
 
@@ -96,9 +95,13 @@ def gemm_row_multiple(x: Tensor) -> int:
     """Rows per expert for a GEMM on x: on a CPU in bf16/fp16, oneDNN builds a kernel for every new row count
     (~0.6 ms each), and routing changes the counts every step: padded to multiples of 32 they take few values and
     the kernels are reused (6 -> 0.7 ms per grouped GEMM at the demo shape). 1 elsewhere (no padding)."""
+    return 32 if x.device.type == "cpu" and compute_dtype(x) in (torch.bfloat16, torch.float16) else 1
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a matrix multiply on x runs in: autocast's where it is on (it does not cover `grouped_mm`)."""
     device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return 32 if device == "cpu" and dtype in (torch.bfloat16, torch.float16) else 1
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def padded_rows(counts: Tensor, sorted_ids: Tensor, multiple: int) -> tuple[Tensor, Tensor]:
@@ -116,10 +119,9 @@ def grouped_linear(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
     transposed, in one `grouped_mm` call (CUTLASS on Hopper in bf16; a loop inside PyTorch elsewhere). Without
     `grouped_mm` (PyTorch < 2.8), or with widths whose rows are not 16-byte aligned as it requires, a Python loop
     over experts."""
-    # autocast does not cover `grouped_mm`: cast to its dtype here (else the experts run in fp32 under bf16
-    # autocast, at a third of the dense layers' pace), as it does for `F.linear`; the GEMM takes one dtype
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    # cast as autocast does for `F.linear` (else the experts run in fp32 under bf16 autocast, at a third of the
+    # dense layers' pace); the GEMM takes one dtype
+    dtype = compute_dtype(x)
     x, weight = x.to(dtype), weight.to(dtype)
     if GROUPED_MM is not None and all(d * x.element_size() % 16 == 0 for d in weight.shape[1:]):
         return GROUPED_MM(x, weight.transpose(1, 2), offs=ends)
