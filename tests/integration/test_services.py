@@ -31,6 +31,25 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
         return error.code, ""
 
 
+def listening_sockets(running) -> list[tuple[str, str, int]]:
+    """(process name, address, port) of a service's listening sockets; a member that ends while it is read (Ray
+    starts and ends helper processes) has none."""
+    out = []
+    for proc in members(running):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            sockets = [c for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+            out += [(proc.name(), c.laddr.ip, c.laddr.port) for c in sockets]
+    return out
+
+
+def status(proc: psutil.Process) -> str | None:
+    """The process's status; None once it no longer exists."""
+    try:
+        return proc.status()
+    except psutil.NoSuchProcess:
+        return None
+
+
 def test_up_binds_loopback_and_down_stops_exactly_its_processes(tmp_path):
     env = {k: v for k, v in clean_env().items() if not k.startswith("RAY_")}
     state = tmp_path / "state"
@@ -58,12 +77,9 @@ def test_up_binds_loopback_and_down_stops_exactly_its_processes(tmp_path):
         assert oct((state / "ray_auth_token").stat().st_mode & 0o777) == "0o600"
         assert f"RAY_AUTH_TOKEN_PATH={state / 'ray_auth_token'}" in up.stdout
 
-        listening = []
-        for running in services.values():
-            for proc in members(running):
-                for conn in proc.net_connections(kind="inet"):
-                    if conn.status == psutil.CONN_LISTEN:
-                        listening.append((running.name, proc.name(), conn.laddr.ip, conn.laddr.port))
+        listening = [
+            (running.name, *socket) for running in services.values() for socket in listening_sockets(running)
+        ]
         assert {name for name, *_ in listening} == {"prefect", "mlflow", "ray"}
         exposed = [s for s in listening if s[2] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
         assert not exposed, exposed
@@ -87,7 +103,9 @@ def test_up_binds_loopback_and_down_stops_exactly_its_processes(tmp_path):
             lmforge_command("down", "--state-dir", str(state)), capture_output=True, text=True, env=env
         )
     assert down.returncode == 0, down.stderr
-    assert not [p for r in services.values() for p in members(r) if p.status() != psutil.STATUS_ZOMBIE]
+    assert not [
+        p for r in services.values() for p in members(r) if status(p) not in (psutil.STATUS_ZOMBIE, None)
+    ]
     assert load_state(state) == []
 
 
