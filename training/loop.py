@@ -11,7 +11,7 @@ row. (Adam's moments still decay once on a skipped step.) A non-finite gradient 
 undone and stops the run at once. A loss spike (`spike_limit`) is skipped like a non-finite loss and counts toward
 the roll-back. A gradient-norm spike (same rule over the norms) is counted and logged only: its update is already
 applied when the norm is known (DeepSpeed's ZeRO optimisers compute it inside their step), and at 6σ healthy
-small-model runs have several (60 in 212 runs of the test suite, none with a loss spike), too many to roll back on.
+small-model runs have several (30 in 12 of the 156 runs of one test-suite run, none a loss spike): too many to act on.
 Phases: eval,
 (decay branch), step, log, checkpoint. With `train.horizons` a WSD run also decays a branch to each shorter horizon
 and restores its stable state (`decay_branch`). A step is guarded by the hang watchdog (`training/watchdog.py`);
