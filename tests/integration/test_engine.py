@@ -265,8 +265,8 @@ class FixedBatch:
         return Batch(self.ids[:, :-1], self.ids[:, 1:])
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_gradient_clipping_scales_the_gradient_to_the_limit(zero_stage: int) -> None:
+@pytest.mark.parametrize(("zero_stage", "precision"), [(0, "fp32"), (0, "bf16"), (2, "fp32")])
+def test_gradient_clipping_scales_the_gradient_to_the_limit(zero_stage: int, precision: str) -> None:
     """AdamW's first moment after one step is (1 - β1) × the gradient it was given: its global norm is the
     clipped norm (0.05 here, far below the raw one), and without clipping it is the reported raw norm.
     DeepSpeed clips in different places for ZeRO-0 (the engine) and ZeRO ≥ 1 (the partitioned optimiser)."""
@@ -278,7 +278,10 @@ def test_gradient_clipping_scales_the_gradient_to_the_limit(zero_stage: int) -> 
     for clip in (0.0, 0.05):
         torch.manual_seed(0)
         engine, r = engine_for(
-            Transformer(recipe.model), f"optim.grad_clip={clip}", f"parallel.zero_stage={zero_stage}"
+            Transformer(recipe.model),
+            f"optim.grad_clip={clip}",
+            f"parallel.zero_stage={zero_stage}",
+            f"parallel.precision={precision}",
         )
         outcome = optimizer_step(engine, FixedBatch(recipe.model.vocab_size), TokenCrossEntropy(), 1e-3, 1)
         inner = getattr(engine.ds.optimizer, "optimizer", None) or engine.ds.optimizer
@@ -308,6 +311,52 @@ def test_one_rank_skips_the_gradient_all_reduce_and_steps_alike(precision: str) 
             optimizer_step(engine, FixedBatch(recipe.model.vocab_size), TokenCrossEntropy(), 1e-3, 1)
         weights.append([p.detach().float().clone() for p in engine.module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_bf16_master_weights_continue_deepspeeds_wrapper_step_for_step(
+    clip: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 AdamW without ZeRO steps its fp32 masters in `MasterWeights` instead of DeepSpeed's tensor-by-tensor
+    wrapper. Loaded from a checkpoint that wrapper wrote, both take the same three steps: bit for bit without
+    clipping; with it (0.05, far below the raw norm) within the clip coefficient's last bits (DeepSpeed sums the
+    norm in float64); and they report the same gradient norm."""
+    import training.parallel.engine as engine_module
+    from training.loop import optimizer_step
+    from training.objective import TokenCrossEntropy
+    from training.optim.master_weights import MasterWeights
+
+    recipe = load_recipe("smoke")
+    batch = FixedBatch(recipe.model.vocab_size)
+    settings = ("parallel.precision=bf16", f"optim.grad_clip={clip}")
+
+    def steps(engine, n: int) -> list[float]:
+        return [
+            optimizer_step(engine, batch, TokenCrossEntropy(), lr, 1).grad_norm
+            for lr in (5e-4, 2e-3, 1e-3)[:n]
+        ]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_module, "uses_master_weights", lambda *_: False)
+        torch.manual_seed(0)
+        theirs, _ = engine_for(Transformer(recipe.model), *settings)
+    assert type(theirs.ds.optimizer).__name__ == "FP16_UnfusedOptimizer"
+    steps(theirs, 2)
+    theirs.save(tmp_path / "ckpt")
+    theirs.saved()
+    torch.manual_seed(1)  # other initial weights: the checkpoint must replace them and the masters
+    ours, _ = engine_for(Transformer(recipe.model), *settings)
+    assert isinstance(ours.ds.optimizer, MasterWeights)
+    ours.load(tmp_path / "ckpt")
+    norms = steps(theirs, 3), steps(ours, 3)
+    assert norms[1] == pytest.approx(norms[0], rel=1e-6 if clip == 0.0 else 1e-4)
+    assert min(norms[0]) > 0.5  # the 0.05 limit clips every step
+    for a, b in zip(theirs.module.parameters(), ours.module.parameters(), strict=True):
+        assert b.dtype == torch.bfloat16
+        if clip == 0.0:
+            assert torch.equal(a, b)
+        else:  # a bf16 rounding step at most (near zero: a twentieth of an update)
+            torch.testing.assert_close(b, a, rtol=2**-7, atol=1e-4)
 
 
 @pytest.fixture

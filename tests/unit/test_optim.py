@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from training.config import OptimConfig
 from training.model.config import ModelConfig, MoEConfig
 from training.model.transformer import Transformer
+from training.optim.master_weights import MasterWeights
 from training.optim.optimizers import lr_at, param_groups
 
 STEPS = 100
@@ -68,3 +70,24 @@ def test_no_weight_decay_on_norms_and_embeddings() -> None:
     assert "model.embed_tokens.weight" in plain and "model.norm.weight" in plain
     assert "model.layers.0.self_attn.q_proj.weight" in decayed and "lm_head.weight" in decayed
     assert "model.layers.1.mlp.experts.gate_up_proj" in decayed
+
+
+def test_master_weights_skip_a_non_finite_gradient_and_step_at_the_groups_learning_rate() -> None:
+    """A non-finite gradient norm leaves weights and masters as they were (DeepSpeed counts the step as skipped);
+    a finite one steps the fp32 masters at the learning rate set on the model's groups and writes them back
+    rounded to bf16."""
+    layer = torch.nn.Linear(4, 3, bias=False).to(torch.bfloat16)
+    before = layer.weight.detach().clone()
+    optimizer = MasterWeights(
+        [{"params": [layer.weight]}], lambda groups: torch.optim.SGD(groups, lr=1.0), max_grad_norm=0.0
+    )
+    layer.weight.grad = torch.full_like(layer.weight, float("inf"))
+    optimizer.step()
+    assert optimizer.overflow and math.isinf(optimizer._global_grad_norm)
+    assert torch.equal(layer.weight, before) and torch.equal(optimizer.masters[0][0], before.float())
+    optimizer.param_groups[0]["lr"] = 0.5
+    layer.weight.grad = torch.ones_like(layer.weight)
+    optimizer.step()
+    assert not optimizer.overflow and optimizer._global_grad_norm == pytest.approx(math.sqrt(12))
+    assert torch.equal(optimizer.masters[0][0], before.float() - 0.5)
+    assert torch.equal(layer.weight, (before.float() - 0.5).to(torch.bfloat16))

@@ -26,6 +26,7 @@ import torch
 from training.model.config import ModelConfig
 from training.model.linear_attention import CHUNK
 from training.model.transformer import Transformer
+from training.optim.master_weights import uses_master_weights
 from training.optim.optimizers import STATE_BYTES
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -208,6 +209,8 @@ def training_memory(
         raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
     params = count_parameters(cfg)
     w, g, o = state_bytes_per_param(precision, optimizer)
+    if uses_master_weights(precision, zero_stage, ep_size, optimizer):
+        g += 4  # `MasterWeights` keeps an fp32 copy of the gradients
     dense_params = params.total - params.experts
     expert_params = params.experts / ep_size  # each rank holds n_experts / ep_size experts
     dense_dp, expert_dp = world_size, max(1, world_size // ep_size)

@@ -19,6 +19,7 @@ from data_pipeline.loader import Batch
 from training.compile import maybe_compile
 from training.config import OptimConfig, ParallelConfig, TrainConfig
 from training.model.transformer import ModelOutput, Transformer
+from training.optim.master_weights import MasterWeights, uses_master_weights
 from training.optim.optimizers import BuiltByDeepSpeed, build_optimizer, param_groups, set_lr
 from training.parallel.expert_parallel import swap_in_expert_parallel
 from training.parallel.reshard import (
@@ -61,6 +62,9 @@ def deepspeed_config(parallel: ParallelConfig, optim: OptimConfig, train: TrainC
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
     }
+    if uses_master_weights(parallel.precision, parallel.zero_stage, parallel.ep_size, optim.name):
+        # DeepSpeed sees an fp32 model; the bf16 cast and the fp32 masters are ours
+        config |= {"bf16": {"enabled": False}, "communication_data_type": "bf16", "gradient_clipping": 0.0}
     return deep_merge(config, parallel.deepspeed)
 
 
@@ -81,18 +85,15 @@ def clips_itself(parallel: ParallelConfig) -> bool:
 
 class DeepSpeedEngine:
     """The loop's `Engine` over a DeepSpeed engine (DeepSpeed counts micro-batches in its own `step()` calls).
-    `grad_clip` is applied here when `clips_itself`, else by DeepSpeed."""
+    `grad_clip` is applied here when `clips_itself`, else by the optimiser (DeepSpeed's or `MasterWeights`)."""
 
-    def __init__(self, ds: Any, layout: dict[str, int], grad_clip: float = 0.0) -> None:
+    def __init__(self, ds: Any, layout: dict[str, int], grad_clip: float | None = None) -> None:
         self.ds, self.layout = ds, layout
         self.module: nn.Module = ds.module
         self.accumulation_steps: int = ds.gradient_accumulation_steps()
         self.device = next(ds.module.parameters()).device
         self._micro = 0
-        self._grad_clip = grad_clip
-        self._plain_grads = ds.zero_optimization_stage() == 0 and not (
-            ds.bfloat16_enabled() or ds.fp16_enabled()
-        )
+        self._grad_clip = grad_clip  # None: DeepSpeed's optimiser clips and reports the norm
         if ds.zero_optimization_stage() == 0 and ds.dp_world_size == 1:
             # one rank: flatten, all-reduce, copy back was 3% of an fp32 step and ~5% of a bf16 MoE one (d_model 384)
             ds.enable_backward_allreduce = False
@@ -109,7 +110,7 @@ class DeepSpeedEngine:
 
     def step(self, lr: float) -> float:
         set_lr(self.ds.optimizer, lr)
-        local = _clip_grad_norm(self.module, self._grad_clip) if self._plain_grads else float("nan")
+        local = float("nan") if self._grad_clip is None else _clip_grad_norm(self.module, self._grad_clip)
         self.ds.step()
         self._micro = 0
         reported = self.ds.get_global_grad_norm()
@@ -197,7 +198,15 @@ def build_engine(
 
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     config = deepspeed_config(parallel, optim, train)
-    optimizer = build_optimizer(groups, optim, model, float(train.grad_accum_steps(parallel.world_size)))
+    grad_scale = float(train.grad_accum_steps(parallel.world_size))
+    if uses_master_weights(parallel.precision, parallel.zero_stage, parallel.ep_size, optim.name):
+        for p in model.parameters():  # parameters only, as DeepSpeed casts (buffers such as RoPE's stay fp32)
+            p.data = p.data.to(dtype)
+        optimizer = MasterWeights(
+            groups, lambda masters: build_optimizer(masters, optim, model, grad_scale), optim.grad_clip
+        )
+    else:
+        optimizer = build_optimizer(groups, optim, model, grad_scale)
     if isinstance(optimizer, BuiltByDeepSpeed):
         config["optimizer"] = optimizer.config
         ds, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
@@ -206,4 +215,4 @@ def build_engine(
     from training.parallel.checkpoint_writer import CheckpointWriter  # imports DeepSpeed
 
     ds.checkpoint_engine = CheckpointWriter(background=train.async_checkpoint)
-    return DeepSpeedEngine(ds, parallel.layout(), optim.grad_clip if clips_itself(parallel) else 0.0)
+    return DeepSpeedEngine(ds, parallel.layout(), optim.grad_clip if clips_itself(parallel) else None)
