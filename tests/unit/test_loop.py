@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -458,6 +459,18 @@ def test_gradient_norm_spikes_are_counted_and_logged_but_not_undone(tmp_path: Pa
     )
 
 
+def on_two_ranks(function: Callable[[int, int, str], None], out: Path) -> None:
+    """`function(rank, port, out)` on two processes forked from a server that imported torch and this module once
+    (a spawned process imports them itself: ~6 s each here); not forks of this process, whose state they must not
+    inherit."""
+    import torch.multiprocessing as mp
+
+    from infra.services import free_port
+
+    mp.set_forkserver_preload(["torch", "training.loop", __name__])
+    mp.start_processes(function, args=(free_port(), str(out)), nprocs=2, start_method="forkserver")
+
+
 def _step_on_two_ranks(rank: int, port: int, out: str) -> None:
     """Rank 1's micro-batch carries no loss (an SFT batch without response tokens): both ranks must take the same
     step, spike check included (it is a collective)."""
@@ -486,11 +499,7 @@ def _step_on_two_ranks(rank: int, port: int, out: str) -> None:
 
 
 def test_ranks_without_a_loss_take_part_in_the_spike_check(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    from infra.services import free_port
-
-    mp.start_processes(_step_on_two_ranks, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    on_two_ranks(_step_on_two_ranks, tmp_path)
     outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert outcomes[0] == outcomes[1] and outcomes[0]["spike"] is None and outcomes[0]["loss"] is not None
 
@@ -541,11 +550,7 @@ def _train_on_two_ranks(rank: int, port: int, out: str) -> None:
 def test_a_rank_slower_than_the_others_is_named(tmp_path: Path) -> None:
     """Rank 1 sleeps 0.2 s in each forward pass of steps 1-4 (its peer waits for it in the gradient all-reduce, so
     both ranks' steps take as long): the report at step 4 names it, the one at step 8 (both alike) nobody."""
-    import torch.multiprocessing as mp
-
-    from infra.services import free_port
-
-    mp.start_processes(_train_on_two_ranks, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    on_two_ranks(_train_on_two_ranks, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     reports = {
         r["step"]: (r["perf/slowest_rank"], r["perf/straggler_ratio"])
