@@ -68,8 +68,14 @@ def wide_engine() -> Any:
     """The `wide` model in our DeepSpeed engine after one AdamW step (weights and both moments to save)."""
     init_distributed()
     recipe = load_recipe(
-        "demo", ["train.seq_len=128", "train.micro_batch_size=8", "train.global_batch_size=8"]
-    )
+        "demo",
+        [
+            "train.seq_len=128",
+            "train.micro_batch_size=8",
+            "train.global_batch_size=8",
+            "parallel.compile=false",
+        ],
+    )  # eager: only the state is saved here, and compiling would add seconds to each start
     engine = build_engine(Transformer(WIDE, seed=0), recipe.optim, recipe.parallel, recipe.train)
     (batch,) = batches(WIDE, 128, 8, 1, torch.device("cpu"))
     engine.backward(engine.forward(batch).loss)

@@ -86,7 +86,7 @@ class ParallelConfig(BaseModel):
     ep_size: PositiveInt = 1
     activation_checkpointing: bool = False
     compile: Literal["auto"] | bool = (
-        "auto"  # torch.compile of the blocks; auto: on CUDA (training/compile.py)
+        "auto"  # torch.compile of the blocks; auto: on CUDA, and on a CPU for dense models >= 256 wide (training/compile.py)
     )
     threads_per_worker: PositiveInt | None = None  # None: cores // workers, at least 1
     max_failures: NonNegativeInt = 0  # Ray Train restarts all workers from the last checkpoint this often

@@ -245,12 +245,24 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning() -> None:
     torch._dynamo.reset()
 
 
-def test_compile_is_auto_on_cuda_only() -> None:
+def test_compile_is_auto_on_cuda_and_for_wide_dense_models_on_a_cpu() -> None:
+    """auto: every model on CUDA; on a CPU dense softmax-attention models from d_model 256 (384: compile paid
+    back after ~100 steps), not the demo's 64 (~10,000 steps), not MoE or linear attention (not measured)."""
     from training.compile import wants_compile
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert (wants_compile("auto", cpu), wants_compile("auto", cuda)) == (False, True)
-    assert (wants_compile(True, cpu), wants_compile(False, cuda)) == (True, False)
+    small = load_recipe("smoke").model
+    wide = small.model_copy(update={"d_model": 384, "n_heads": 6, "n_kv_heads": 6, "d_ff": 1024})
+    moe = wide.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=512)})
+    linear = wide.model_copy(update={"attention": "linear"})
+    assert [wants_compile("auto", cpu, cfg) for cfg in (small, wide, moe, linear)] == [
+        False,
+        True,
+        False,
+        False,
+    ]
+    assert wants_compile("auto", cuda, small) and wants_compile("auto", cuda, moe)
+    assert (wants_compile(True, cpu, small), wants_compile(False, cuda, wide)) == (True, False)
 
 
 class FixedBatch:
