@@ -11,7 +11,8 @@ All in one run, one JSON line, per model shape (`demo`, the demo's tiny model, a
   `compile_pays_after_steps` steps (absent when it is not faster); on CUDA also `mfu_vs_published_peak` (989
   TFLOP/s for H100/H200).
 - `<shape>.ratio_moe_vs_dense`: a top-2-of-8 MoE (sort + grouped GEMM dispatch) vs the dense model with the same
-  active parameters (d_ff = 2 x expert d_ff), both through our engine. Goal >= 0.90.
+  active parameters (d_ff = 2 x expert d_ff), both through our engine. Goal >= 0.90. `moe_optimizer_ms` and
+  `same_active_dense_optimizer_ms`: the optimiser's step in each (the MoE has 2x the parameters to update).
 - `scaling_2_vs_1_workers`: tokens/s of 2 Ray Train workers over 1 (`lmforge pretrain demo`, ZeRO-2).
 
     .venv/bin/python benchmarks/train_throughput.py [--precision fp32] [--shapes demo,wide] [--skip-scaling]
@@ -107,12 +108,21 @@ def engine_step(
         ],
     )
     engine = build_engine(Transformer(cfg, seed=0).to(device), recipe.optim, recipe.parallel, recipe.train)
+    optimizer_s: list[float] = []  # the optimiser's share of each step (engine.step), read by `optimizer_ms`
 
     def step(batch: Batch) -> None:
         engine.backward(engine.forward(batch).loss)
+        start = time.perf_counter()
         engine.step(recipe.optim.lr)
+        optimizer_s.append(time.perf_counter() - start)
 
+    step.optimizer_s = optimizer_s  # type: ignore[attr-defined]
     return step
+
+
+def optimizer_ms(step: Callable[[Batch], None]) -> float:
+    """Median milliseconds of an `engine_step`'s optimiser step (clipping and the fp32 master copies included)."""
+    return round(1000 * statistics.median(step.optimizer_s), 1)  # type: ignore[attr-defined]
 
 
 def plain_step(cfg: ModelConfig, device: torch.device, precision: str):
@@ -164,13 +174,11 @@ def measure_shape(name: str, steps: int, device: torch.device, precision: str, c
         data,
     )
     release()
-    s |= time_interleaved(
-        {
-            "moe": engine_step(moe, seq, micro, device, precision),
-            "dense": engine_step(same_active, seq, micro, device, precision),
-        },
-        data,
-    )
+    contenders = {
+        "moe": engine_step(moe, seq, micro, device, precision),
+        "dense": engine_step(same_active, seq, micro, device, precision),
+    }
+    s |= time_interleaved(contenders, data)
     plain_s, engine_s, moe_s, dense_s = s["plain"], s["engine"], s["moe"], s["dense"]
     report = {
         "model": f"d_model={cfg.d_model} n_layers={cfg.n_layers} vocab={cfg.vocab_size} seq={seq} micro={micro}",
@@ -182,6 +190,8 @@ def measure_shape(name: str, steps: int, device: torch.device, precision: str, c
         "moe_tokens_per_s": round(tokens / moe_s),
         "same_active_dense_tokens_per_s": round(tokens / dense_s),
         "ratio_moe_vs_dense": round(dense_s / moe_s, 3),
+        "moe_optimizer_ms": optimizer_ms(contenders["moe"]),
+        "same_active_dense_optimizer_ms": optimizer_ms(contenders["dense"]),
     }
     if (published := published_peak(device)) is not None:
         report["mfu_vs_published_peak"] = round(flops / engine_s / published, 4)
