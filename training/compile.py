@@ -7,9 +7,9 @@ the compile (roughly constant, 6-8 s from a cold Inductor cache at d_model 384, 
 back within a short run: one core, steps interleaved with an eager engine's, d_model 384 saved 77 ms (fp32, 7%) /
 88 ms (bf16, 14%) per step, about 100 steps to pay; d_model 64 saved 2.5 ms (9%), ~10,000 steps, more than the
 demo's runs take. MoE blocks (their expert row counts change every step) and linear attention stay eager there:
-not measured. A platform where compile is unavailable stays
-eager (with one warning when compile was asked for); a failure on the trial step falls back to eager with one
-warning; neither stops a run. Decoding with a cache stays eager (shapes change every token).
+not measured. A platform where compile is unavailable stays eager (with one warning when compile was asked for);
+a failure on the trial step falls back to eager with one warning; neither stops a run. Decoding with a cache
+stays eager (shapes change every token).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class MasterWeights(torch.optim.Optimizer):
         """After the model's weights were loaded without optimiser state (DeepSpeed calls it by this name)."""
         with torch.no_grad():
             low = [p for g in self.param_groups for p in g["params"]]
-            torch._foreach_copy_([m for ms in self.masters for m in ms], low)
+            torch._foreach_copy_(list(itertools.chain.from_iterable(self.masters)), low)
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer_state_dict": self.optimizer.state_dict(), "fp32_groups": self.masters}
