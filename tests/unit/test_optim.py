@@ -91,3 +91,16 @@ def test_master_weights_skip_a_non_finite_gradient_and_step_at_the_groups_learni
     assert not optimizer.overflow and optimizer._global_grad_norm == pytest.approx(math.sqrt(12))
     assert torch.equal(optimizer.masters[0][0], before.float() - 0.5)
     assert torch.equal(layer.weight, (before.float() - 0.5).to(torch.bfloat16))
+
+
+def test_master_weights_refresh_from_weights_loaded_without_optimiser_state() -> None:
+    """DeepSpeed loads a module-only checkpoint into the bf16 weights and then asks the optimiser to refresh its
+    fp32 masters from them (else the next step would write the old weights back)."""
+    layer = torch.nn.Linear(4, 3, bias=False).to(torch.bfloat16)
+    optimizer = MasterWeights([{"params": [layer.weight]}], lambda groups: torch.optim.SGD(groups, lr=0.0))
+    with torch.no_grad():
+        layer.weight.fill_(0.5)
+    optimizer.refresh_fp32_params()
+    layer.weight.grad = torch.ones_like(layer.weight)
+    optimizer.step()  # lr 0: writes the masters back
+    assert torch.equal(layer.weight, torch.full_like(layer.weight, 0.5))
