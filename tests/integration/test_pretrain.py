@@ -159,14 +159,15 @@ def test_rerun_of_a_finished_run_returns_it(golden_run: TrainedModel) -> None:
 
 # Each case: overrides, workers, and whether it must reproduce the golden fp32 ZeRO-0 curve. Same global batch
 # (8): 1 worker x 2 micro-batches or 2 workers x 1. ZeRO-2 partitions optimiser state and gradients, ZeRO-3 also
-# the weights (gathered on export); the bf16 case splits the experts over the two ranks (EP=2). ZeRO-0 resume is
-# the e2e kill-and-rerun's; 2 workers with ZeRO-2 in fp32 (the golden curve) killed and resumed is the two-node Ray
-# test's. K-FAC (hooks,
-# factors and inverses as optimiser state) resumes here too; every matrix optimiser in tests/integration/test_engine.py.
+# the weights (gathered on export); bf16 at ZeRO-0 keeps its fp32 masters in lmforge's `MasterWeights`; the bf16
+# EP=2 case splits the experts over the two ranks. fp32 ZeRO-0 resume is the e2e kill-and-rerun's; 2 workers with
+# ZeRO-2 in fp32 (the golden curve) killed and resumed is the two-node Ray test's. K-FAC (hooks, factors and
+# inverses as optimiser state) resumes here too; every matrix optimiser in tests/integration/test_engine.py.
 RESUME_CASES = {
     "zero2": (["parallel.zero_stage=2"], None, True),
     "zero3": (["parallel.zero_stage=3"], None, True),
     "moe": ([MOE], None, False),
+    "moe-bf16": ([MOE, "parallel.precision=bf16"], None, False),
     "kfac": (["optim.name=kfac", "optim.matrix_lr=0.01", "optim.precondition_every=4"], None, False),
     "moe-ep2-bf16-2workers": (
         [MOE, "parallel.ep_size=2", "parallel.zero_stage=2", "parallel.precision=bf16"],
