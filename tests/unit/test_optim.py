@@ -1,4 +1,4 @@
-"""Learning-rate schedules (pure functions) and optimiser parameter groups."""
+"""Learning-rate schedules (pure functions), optimiser parameter groups and the bf16 master weights."""
 
 from __future__ import annotations
 
