@@ -120,6 +120,16 @@ def engine_step(
     return step
 
 
+def started(
+    cfg: ModelConfig, seq: int, micro: int, device: torch.device, precision: str, compile: bool, batch: Batch
+) -> tuple[Callable[[Batch], None], float]:
+    """An `engine_step` and the seconds from building it to the end of its first step on `batch`."""
+    start = time.perf_counter()
+    step = engine_step(cfg, seq, micro, device, precision, compile=compile)
+    step(batch)
+    return step, time.perf_counter() - start
+
+
 def optimizer_ms(step: Callable[[Batch], None]) -> float:
     """Median milliseconds of an `engine_step`'s optimiser step (clipping and the fp32 master copies included)."""
     return round(1000 * statistics.median(step.optimizer_s), 1)  # type: ignore[attr-defined]
@@ -197,19 +207,13 @@ def measure_shape(name: str, steps: int, device: torch.device, precision: str, c
         report["mfu_vs_published_peak"] = round(flops / engine_s / published, 4)
     release()
     if compile:
-        start_s = {}
-        for compiles in (
-            False,
-            True,
-        ):  # building the engine (the compiled one compiles on a trial step) and a step
-            start = time.perf_counter()
-            step = engine_step(cfg, seq, micro, device, precision, compile=compiles)
-            step(data[0])
-            start_s[compiles] = time.perf_counter() - start
+        # each engine's start: built (the compiled one compiles on a trial step) and its first step taken
+        eager_start_s = started(cfg, seq, micro, device, precision, False, data[0])[1]
+        step, compiled_start_s = started(cfg, seq, micro, device, precision, True, data[0])
         compiled_s = time_interleaved({"c": step}, data)["c"]
         report["compiled_tokens_per_s"] = round(tokens / compiled_s)
         report["mfu_compiled"] = round(flops / compiled_s / peak, 3)
-        report["compile_seconds"] = round(start_s[True] - start_s[False], 1)
+        report["compile_seconds"] = round(compiled_start_s - eager_start_s, 1)
         if compiled_s < engine_s:  # after how many steps the compiled run is ahead, its warm-up included
             report["compile_pays_after_steps"] = round(report["compile_seconds"] / (engine_s - compiled_s))
     return report

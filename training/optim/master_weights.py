@@ -57,10 +57,14 @@ class MasterWeights(torch.optim.Optimizer):
         self._global_grad_norm = float("nan")
         self.overflow = False
 
+    def _flat(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The model's parameters and their masters, in the same order."""
+        low = [p for g in self.param_groups for p in g["params"]]
+        return low, list(itertools.chain.from_iterable(self.masters))
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # noqa: ARG002 (no closures)
-        low = [p for g in self.param_groups for p in g["params"]]
-        masters = list(itertools.chain.from_iterable(self.masters))
+        low, masters = self._flat()
         grads = [m.grad for m in masters]
         given = [(g, p.grad) for p, g in zip(low, grads, strict=True) if p.grad is not None]
         for p, grad in zip(low, grads, strict=True):
@@ -90,9 +94,9 @@ class MasterWeights(torch.optim.Optimizer):
 
     def refresh_fp32_params(self) -> None:
         """After the model's weights were loaded without optimiser state (DeepSpeed calls it by this name)."""
+        low, masters = self._flat()
         with torch.no_grad():
-            low = [p for g in self.param_groups for p in g["params"]]
-            torch._foreach_copy_(list(itertools.chain.from_iterable(self.masters)), low)
+            torch._foreach_copy_(masters, low)
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer_state_dict": self.optimizer.state_dict(), "fp32_groups": self.masters}

@@ -48,23 +48,27 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def deepspeed_config(parallel: ParallelConfig, optim: OptimConfig, train: TrainConfig) -> dict[str, Any]:
     """The DeepSpeed JSON for these slices (the optimiser is passed separately); `parallel.deepspeed` keys are
     merged on top."""
+    master_weights = uses_master_weights(
+        parallel.precision, parallel.zero_stage, parallel.ep_size, optim.name
+    )
     config: dict[str, Any] = {
         "train_batch_size": train.global_batch(parallel.world_size),
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.grad_accum_steps(parallel.world_size),
-        "gradient_clipping": 0.0 if clips_itself(parallel) else optim.grad_clip,
+        # clipped by the engine (`clips_itself`) or by `MasterWeights`, else by DeepSpeed
+        "gradient_clipping": 0.0 if clips_itself(parallel) or master_weights else optim.grad_clip,
         # ZeRO-3's "memory-efficient linear" replaces torch.nn.functional.linear for the whole process and never
         # puts it back: every later model in the process (a pipeline's SFT, compression's torchao tensors) ran
         # through DeepSpeed's wrapper, which quantized weights cannot. `parallel.deepspeed` can turn it back on.
         "zero_optimization": {"stage": parallel.zero_stage, "memory_efficient_linear": False},
-        "bf16": {"enabled": parallel.precision == "bf16"},
+        # with `MasterWeights` DeepSpeed sees an fp32 model: the bf16 cast and the fp32 masters are ours
+        "bf16": {"enabled": parallel.precision == "bf16" and not master_weights},
         "fp16": {"enabled": parallel.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
     }
-    if uses_master_weights(parallel.precision, parallel.zero_stage, parallel.ep_size, optim.name):
-        # DeepSpeed sees an fp32 model; the bf16 cast and the fp32 masters are ours
-        config |= {"bf16": {"enabled": False}, "communication_data_type": "bf16", "gradient_clipping": 0.0}
+    if master_weights:  # gradients all-reduced in bf16, as with DeepSpeed's bf16 on
+        config["communication_data_type"] = "bf16"
     return deep_merge(config, parallel.deepspeed)
 
 
