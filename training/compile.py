@@ -3,9 +3,9 @@ compiled graph, so warm-up costs one block's compile, not the model's), with a f
 
 `parallel.compile: auto` compiles on CUDA, where fusing the norm, RoPE and SwiGLU element-wise work pays
 (nanochat, torchtitan), and on a CPU for dense softmax-attention models at least `CPU_MIN_WIDTH` wide, where
-the compile (roughly constant, 6-8 s from a cold Inductor cache at d_model 384, 24 s at the demo's 64) is paid
+the compile (8.1 s from a cold Inductor cache at d_model 384 in fp32, 5.7 s warm in bf16, 24 s cold at the demo's 64) is paid
 back within a short run: one core, steps interleaved with an eager engine's, d_model 384 saved 77 ms (fp32, 7%) /
-88 ms (bf16, 14%) per step, about 100 steps to pay; d_model 64 saved 2.5 ms (9%), ~10,000 steps, more than the
+88 ms (bf16, 14%) per step, 105 / 65 steps to pay; d_model 64 saved 2.5 ms (9%), ~10,000 steps, more than the
 demo's runs take. MoE blocks (their expert row counts change every step) and linear attention stay eager there:
 not measured. A platform where compile is unavailable stays eager (with one warning when compile was asked for);
 a failure on the trial step falls back to eager with one warning; neither stops a run. Decoding with a cache
