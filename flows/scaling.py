@@ -228,7 +228,7 @@ def size_for_budget(
             "model": model.model_dump(mode="json"),
             **shape.overrides(),
             "train.max_steps": steps,
-            "train.eval_every": every,
+            "train.eval_every": -(-steps // recipe.sweep.curve_points),  # the curve the law predicted
             "train.checkpoint_every": every,
         }
     )

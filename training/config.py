@@ -392,6 +392,7 @@ class SweepConfig(BaseModel):
     target_budget: PositiveFloat | None = None  # the fit's compute-optimal size is chosen for this budget
     rung_multiple: PositiveFloat = 3.0  # without target_budget: the rung's budget over the largest swept one
     probe: Literal["humaneval"] | None = None  # a downstream task loss measured at every point
+    curve_points: PositiveInt = 8  # validation losses along each run and the rung: the loss-curve law's data
 
     def all_sizes(self) -> list[SweepSize]:
         return [SweepSize(depth=d) for d in self.depths] + list(self.sizes)

@@ -164,7 +164,7 @@ def trial_spec(spec: SweepSpec, plan: TrialPlan, parent_run_id: str | None) -> P
         **plan.shape.overrides(),
         "train.max_steps": plan.steps[-1],
         "train.horizons": plan.steps[:-1],
-        "train.eval_every": plan.steps[-1],
+        "train.eval_every": -(-plan.steps[-1] // spec.sweep.curve_points),  # the validation curve
         "train.checkpoint_every": plan.steps[-1],
         "optim.lr": plan.lr,
         "probe": spec.sweep.probe,
