@@ -15,17 +15,87 @@ import numpy as np  # noqa: E402
 
 from evaluation.chinchilla_fit import Law  # noqa: E402
 from evaluation.isoflop import IsoFlopFit  # noqa: E402
+from evaluation.loss_curve import CurveLaw, CurvePoints  # noqa: E402
 from evaluation.scaling_data import ScalingPoints  # noqa: E402
 
 
-def write_plots(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, fit: Any, out: Path) -> list[Path]:
-    """isoflop.png, contours.png, residuals.png and prediction.png for a `ScalingFit`."""
+def write_plots(
+    points: ScalingPoints,
+    law: Law,
+    iso: IsoFlopFit | None,
+    fit: Any,
+    out: Path,
+    curves: CurvePoints | None = None,
+) -> list[Path]:
+    """isoflop.png, contours.png, residuals.png and prediction.png for a `ScalingFit`; curve.png too when it has a
+    loss-curve law and the sweep's curves are given."""
     paths = [out / "isoflop.png", out / "contours.png", out / "residuals.png", out / "prediction.png"]
     _isoflop(points, law, iso, fit, paths[0])
     _contours(points, law, iso, fit.optimal, paths[1], fit.param_count)
     _residuals(points, law, paths[2])
     _prediction(fit, paths[3])
+    if curves is not None and fit.curve_law is not None:
+        paths.append(out / "curve.png")
+        _curve(fit, curves, paths[-1])
     return paths
+
+
+def _curve(fit: Any, curves: CurvePoints, path: Path) -> None:
+    """Left: the loss-curve law against every validation point of the sweep. Right: the rung's curve as predicted
+    before it trained (with the ±1.5% goal band), as measured, and the law's end point under other schedules."""
+    law = CurveLaw(**fit.curve_law["law"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    dots = left.scatter(
+        curves.tokens / 1e6,
+        curves.loss,
+        c=curves.n,
+        s=14,
+        cmap="plasma",
+        norm=matplotlib.colors.LogNorm(),
+        label="measured",
+    )
+    left.scatter(
+        curves.tokens / 1e6,
+        law.loss(curves.n, curves.s1, curves.s2),
+        marker="x",
+        s=12,
+        c="k",
+        lw=0.6,
+        label="law",
+    )
+    fig.colorbar(dots, ax=left, label="parameters N")
+    left.set(
+        xscale="log",
+        xlabel="tokens (millions)",
+        ylabel="validation loss (nats/token)",
+        title=f"Loss-curve law on the sweep ({len(curves)} points, {len(curves.runs)} runs)",
+    )
+    left.legend(fontsize=7)
+    rung = fit.rung.curve if fit.rung is not None else None
+    if rung is not None:
+        tokens = np.array(rung.tokens) / 1e6
+        predicted = np.array(rung.loss)
+        right.plot(tokens, predicted, "o-", color="tab:blue", label="predicted before training")
+        right.fill_between(
+            tokens, predicted * 0.985, predicted * 1.015, color="tab:blue", alpha=0.15, label="±1.5%"
+        )
+        if rung.measured is not None:
+            seen = [(t, m) for t, m in zip(tokens, rung.measured, strict=True) if m is not None]
+            label = "measured" + (
+                f" (max error {rung.max_rel_error:.2%})" if rung.max_rel_error is not None else ""
+            )
+            right.plot(*zip(*seen, strict=True), "s", color="red", label=label)
+        for (name, value), marker in zip(rung.schedules.items(), "D^v<>", strict=False):
+            right.plot(tokens[-1], value, marker, ls="none", mfc="none", label=f"{name}: {value:.4f}")
+    right.set(
+        xlabel="tokens (millions)",
+        ylabel="validation loss (nats/token)",
+        title=f"Rung at C = {fit.optimal.budget:.2g}: its validation curve",
+    )
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _isoflop(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, fit: Any, path: Path) -> None:

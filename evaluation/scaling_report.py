@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from evaluation.chinchilla_fit import Law
 from evaluation.isoflop import IsoFlopFit, fit_parabolas
 from evaluation.law_noise import IntervalMethod, NoiseModel, calibrated_fit, prediction_interval
+from evaluation.loss_curve import CurvePoints
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points
 from infra.steps import Artifact
 from infra.storage import atomic_write_json
@@ -23,6 +24,7 @@ from infra.storage import atomic_write_json
 FIT_FILE = "fit.json"
 BOOTSTRAP_FILE = "bootstrap.npz"  # the resampled laws, for intervals on later predictions
 PLOTS = ("isoflop.png", "contours.png", "residuals.png", "prediction.png")
+CURVE_PLOT = "curve.png"  # the rung's curve against the law's, when a loss-curve law was fitted
 LAW_KEYS = ("E", "A", "B", "alpha", "beta")
 RUNG_TOLERANCE = 0.03  # a prediction holds when the measurement is inside its 95% interval and this close
 
@@ -36,6 +38,28 @@ class ComputeOptimal(BaseModel):
     loss_interval: tuple[float, float]
     n_opt_interval: tuple[float, float]
     n_total_opt: float  # for MoE: total parameters at the optimal active size (median total/active ratio)
+
+
+CURVE_TOLERANCE = 0.015  # the rung's whole validation curve: each evaluation within this of the law's curve
+
+
+class CurvePrediction(BaseModel):
+    """The rung's validation curve as the loss-curve law predicts it before the run (at the steps the run will
+    evaluate), the law's end point under other schedules (same N and D), and once trained the measured curve."""
+
+    steps: list[int]
+    tokens: list[float]
+    loss: list[float]
+    schedules: dict[
+        str, float
+    ]  # the loss at the run's end under another schedule: what it would have reached
+    measured: list[float | None] | None = None
+    max_rel_error: float | None = None
+
+    def check(self, measured: dict[int, float]) -> CurvePrediction:
+        values = [measured.get(s) for s in self.steps]
+        errors = [abs(p / m - 1.0) for p, m in zip(self.loss, values, strict=True) if m is not None]
+        return self.model_copy(update={"measured": values, "max_rel_error": max(errors) if errors else None})
 
 
 class Prediction(BaseModel):
@@ -57,13 +81,17 @@ class Prediction(BaseModel):
     task_rel_error: float | None = None
     inside_interval: bool | None = None
     held: bool | None = None
+    curve: CurvePrediction | None = None  # the whole validation curve (the loss-curve law's), when fitted
 
     @property
     def check_interval(self) -> tuple[float, float]:
         """What a measured run is judged against: the prediction interval (the law's, in older fits)."""
         return self.run_interval or self.interval
 
-    def check(self, loss: float, task_loss: float | None) -> Prediction:
+    def check(
+        self, loss: float, task_loss: float | None, curve: dict[int, float] | None = None
+    ) -> Prediction:
+        """The measurement: the final loss (and task loss), and `curve` (step → validation loss) for the curve."""
         rel = abs(loss - self.loss) / loss
         lo, hi = self.check_interval
         inside = lo <= loss <= hi
@@ -78,6 +106,7 @@ class Prediction(BaseModel):
                 "task_rel_error": task_rel,
                 "inside_interval": inside,
                 "held": inside and rel <= RUNG_TOLERANCE,
+                "curve": self.curve.check(curve) if self.curve is not None and curve else self.curve,
             }
         )
 
@@ -112,6 +141,7 @@ class ScalingFit(Artifact):
     task_intervals: dict[str, tuple[float, float]] | None = None
     contamination: dict[str, Any] | None = None
     rung: Prediction | None = None  # the model trained at the target budget: predicted, then measured
+    curve_law: dict[str, Any] | None = None  # the loss-curve law fitted on the sweep's validation curves
 
     @classmethod
     def read(cls, out_dir: str | Path) -> ScalingFit:
@@ -317,15 +347,17 @@ def run_fit_scaling(
     return fit
 
 
-def write_fit_plots(fit: ScalingFit, points: ScalingPoints, out: Path) -> None:
-    """The four PNGs from a fit (rewritten when the rung's measurement arrives)."""
+def write_fit_plots(
+    fit: ScalingFit, points: ScalingPoints, out: Path, curves: CurvePoints | None = None
+) -> None:
+    """The PNGs from a fit (rewritten when the rung's measurement arrives); curve.png with the sweep's `curves`."""
     from evaluation.scaling_plots import write_plots
 
     try:
         iso = fit_parabolas(points)
     except ScalingDataError:
         iso = None
-    write_plots(points, fit.to_law(), iso, fit, out)
+    write_plots(points, fit.to_law(), iso, fit, out, curves)
 
 
 WIDE_INTERVAL = 3.0  # an exponent interval wider than this ratio gets a warning in the headline
@@ -420,4 +452,11 @@ def rung_lines(rung: Prediction | None) -> list[str]:
         if rung.measured_task_loss is not None:
             line += f", measured {rung.measured_task_loss:.4f} (error {rung.task_rel_error:.2%})"
         lines.append(line)
+    curve = rung.curve
+    if curve is not None:
+        line = f"  Validation curve: {len(curve.steps)} evaluations predicted"
+        if curve.max_rel_error is not None:
+            line += f", max error {curve.max_rel_error:.2%} (goal ≤ {CURVE_TOLERANCE:.1%})"
+        others = ", ".join(f"{k} {v:.4f}" for k, v in curve.schedules.items())
+        lines += [line, f"  The law's end point under other schedules: {others}"]
     return lines

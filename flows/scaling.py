@@ -19,10 +19,13 @@ import pyarrow.parquet as pq
 
 from data_pipeline.shards import DatasetManifest
 from evaluation.law_noise import calibrated_fit
+from evaluation.loss_curve import CurveLaw, CurvePoints, Schedule, fit_curve_law, run_curve
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, points_from_table
 from evaluation.scaling_report import (
+    CURVE_PLOT,
     FIT_FILE,
     PLOTS,
+    CurvePrediction,
     ScalingFit,
     load_samples,
     predict,
@@ -39,8 +42,10 @@ if TYPE_CHECKING:
     from flows.recipe import Recipe
 
 log = logging.getLogger(__name__)
-FIT_VERSION = 2  # 2: Huber threshold from the noise, intervals from the noise model, prediction intervals
-RUNG_VERSION = 1
+FIT_VERSION = (
+    3  # 2: Huber threshold from the noise, intervals from the noise model, prediction intervals; 3: curve
+)
+RUNG_VERSION = 2  # 2: the measured validation curve
 
 
 def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
@@ -132,8 +137,13 @@ def _fit(
             update={"task_loss": task_loss.loss, "task_interval": task_loss.interval}
         )
         updates |= {"task_law": task.fit.law.as_dict(), "task_intervals": task.boot.intervals()}
+    curves = sweep_curves(sweep.results, recipe.sweep.min_steps)
+    if curves is not None:
+        curve_fit = fit_curve_law(curves, start=fit.law)
+        prediction = prediction.model_copy(update={"curve": rung_curve(rung, curve_fit.law)})
+        updates["curve_law"] = curve_fit.summary()
     fit = fit.model_copy(update={**updates, "rung": prediction})
-    write_fit_plots(fit, points, out)
+    write_fit_plots(fit, points, out, curves)
     fit.save(out)
     tracker = existing_run(recipe.tracking, recipe.output_dir, sweep.mlflow_run_id).tracker()
     tracker.log_metrics({f"fit/{k}": v for k, v in fit.law.items()}, step=0)
@@ -145,9 +155,49 @@ def _fit(
         },
         step=0,
     )
-    for name in (FIT_FILE, *PLOTS):
-        tracker.log_artifact(out / name, "fit")
+    for name in (FIT_FILE, *PLOTS, CURVE_PLOT):
+        if (out / name).is_file():
+            tracker.log_artifact(out / name, "fit")
     return fit
+
+
+def sweep_curves(results: str | Path, min_step: int = 1) -> CurvePoints | None:
+    """The validation curves of a sweep's completed runs from step `min_step` on (the early plateau left out, as
+    in the sweep's points); None when a run's files are not on this machine."""
+    rows = [r for r in pq.read_table(results).to_pylist() if r["status"] == "completed" and r.get("run_dir")]
+    runs = {r["run_dir"]: r["N"] for r in rows}
+    try:
+        return CurvePoints.concat([run_curve(d, n, min_step) for d, n in runs.items()]) if runs else None
+    except FileNotFoundError as e:
+        log.warning("no loss-curve law: %s", e)
+        return None
+
+
+def rung_curve(rung: Recipe, law: CurveLaw) -> CurvePrediction:
+    """The rung's validation loss at each step it will evaluate, as the loss-curve law predicts it, and the law's
+    end point had the same run used another schedule (no decay, twice the decay, cosine)."""
+    n, _ = rung_size(rung)
+    train, optim = rung.train, rung.optim
+    steps, every = train.max_steps, train.eval_every
+    per_step = train.global_batch(rung.parallel.world_size) * train.seq_len
+    evals = [*range(every, steps, every), steps]
+    curve = law.curve(n, Schedule.of(optim, steps, per_step), evals)
+    variants = {
+        "constant": optim.model_copy(update={"schedule": "constant"}),
+        f"wsd, {min(0.5, 2 * optim.decay_fraction):.0%} decay": optim.model_copy(
+            update={"schedule": "wsd", "decay_fraction": min(0.5, 2 * optim.decay_fraction)}
+        ),
+        "cosine": optim.model_copy(update={"schedule": "cosine"}),
+    }
+    return CurvePrediction(
+        steps=evals,
+        tokens=[float(s * per_step) for s in evals],
+        loss=[float(x) for x in curve],
+        schedules={
+            "as planned": float(curve[-1]),
+            **{k: float(law.curve(n, Schedule.of(o, steps, per_step), [steps])[0]) for k, o in variants.items()},
+        },
+    )
 
 
 def rung_size(recipe: Recipe) -> tuple[float, float]:
@@ -171,11 +221,14 @@ def check_rung(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: Train
 
 
 def _check(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedModel, out: Path) -> ScalingFit:
-    task = [m["probe/bpb"] for m in read_metrics(model.run_dir) if "probe/bpb" in m]
+    logged = read_metrics(model.run_dir)
+    task = [m["probe/bpb"] for m in logged if "probe/bpb" in m]
+    curve = {int(m["step"]): m["val/loss"] for m in logged if "val/loss" in m and m["step"] > 0}
     checked = fit.model_copy(
-        update={"rung": fit.rung.check(model.final_val_loss, task[-1] if task else None)}
+        update={"rung": fit.rung.check(model.final_val_loss, task[-1] if task else None, curve)}
     )
-    write_fit_plots(checked, sweep_points(sweep.results), out)
+    curves = sweep_curves(sweep.results, recipe.sweep.min_steps)
+    write_fit_plots(checked, sweep_points(sweep.results), out, curves)
     checked.save(out)
     rung = checked.rung
     metrics = {
@@ -185,6 +238,8 @@ def _check(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedMo
     }
     if rung.task_rel_error is not None:
         metrics["fit/rung_task_rel_error"] = rung.task_rel_error
+    if rung.curve is not None and rung.curve.max_rel_error is not None:
+        metrics["fit/rung_curve_max_rel_error"] = rung.curve.max_rel_error
     parent = recipe.tracking.parent_run_id  # the pipeline's run, when there is one
     for run_id in dict.fromkeys(r for r in (sweep.mlflow_run_id, model.mlflow_run_id, parent) if r):
         tracker = existing_run(recipe.tracking, recipe.output_dir, run_id).tracker()
@@ -192,8 +247,9 @@ def _check(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedMo
         # the checked fit's files once: in a pipeline its lineage run holds them (flows/lineage.record_fit), else
         # the rung's run, beside the measurement (the sweep's run holds the fit as it was before the rung)
         if run_id == model.mlflow_run_id and parent is None:
-            for name in (FIT_FILE, *PLOTS):
-                tracker.log_artifact(out / name, "fit")
+            for name in (FIT_FILE, *PLOTS, CURVE_PLOT):
+                if (out / name).is_file():
+                    tracker.log_artifact(out / name, "fit")
     return checked
 
 

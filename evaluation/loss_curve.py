@@ -1,0 +1,252 @@
+"""A schedule-aware law for whole validation-loss curves, fitted on every sweep run: the multi-power law of Luo et
+al. (2025, "A Multi-Power Law for Loss Curve Prediction Across Learning Rate Schedules") with the model-size term
+of Hoffmann et al.'s law:
+
+    L(N, t) = E + A / N^α + B / S1(t)^β − D · Σ_k d_k · (1 − 1 / (1 + C · η_k^(−1/2) · S_k(t)))
+
+S1 is the learning-rate-weighted token count after t steps (Σ tokens · η/η_peak: a constant-rate run's S1 is its
+tokens); the sum runs over every drop of the rate after warmup, d_k = η_(k−1) − η_k (fractions of the peak), each
+paying off as the rate area S_k(t) = Σ_(k ≤ τ < t) η_τ swept since it grows, up to D·d_k. A stable phase follows
+the data term alone; a decay adds a gain that saturates (Luo et al.'s G with β = 1, γ = 1/2). Tissue et al.'s
+(2024) linear annealing term fitted the demo's sweep as well but grows without bound with the decay's length: it
+put a cosine schedule 15% below WSD's for the same run, where this law says 3% above (the literature's ordering).
+Fitted in log loss with a robust (soft-L1) objective, the law predicts a new run's curve under any schedule, so
+the rung's curve is written before it trains and other schedules' end points are read off the same law.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from training.config import OptimConfig
+from training.optim.optimizers import lr_at
+
+ROBUST_SCALE = 0.02  # soft-L1 threshold in log loss: residuals beyond ~2% count linearly
+N_STARTS = 8
+
+
+@dataclass(frozen=True)
+class Annealing:
+    """Every drop of the learning rate each point has seen: its size, the rate after it and the rate area swept
+    since (`point` says whose drop it is)."""
+
+    drop: np.ndarray
+    rate: np.ndarray
+    area: np.ndarray
+    point: np.ndarray
+
+    @classmethod
+    def concat(cls, parts: list[Annealing], sizes: list[int]) -> Annealing:
+        offsets = np.cumsum([0, *sizes])
+        return cls(
+            *(np.concatenate([getattr(p, k) for p in parts]) for k in ("drop", "rate", "area")),
+            point=np.concatenate([p.point + o for p, o in zip(parts, offsets, strict=False)]),
+        )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A run's learning rates per optimiser step, as fractions of the peak, with its tokens per step."""
+
+    lrs: np.ndarray
+    tokens_per_step: float
+    warmup: int
+
+    @classmethod
+    def of(cls, optim: OptimConfig, horizon: int, tokens_per_step: float) -> Schedule:
+        """The schedule of `optim` for a run of `horizon` steps."""
+        rates = [lr_at(i, optim, horizon) / optim.lr for i in range(horizon)]
+        return cls(np.asarray(rates), float(tokens_per_step), optim.warmup_steps)
+
+    def at(self, steps: list[int]) -> tuple[np.ndarray, Annealing]:
+        """S1 (tokens) and the drops seen after each of `steps` optimiser steps."""
+        prefix = np.concatenate([[0.0], np.cumsum(self.lrs)])
+        drops = np.zeros_like(self.lrs)
+        w = self.warmup
+        if len(self.lrs) > w + 1:
+            drops[w + 1 :] = np.maximum(self.lrs[w:-1] - self.lrs[w + 1 :], 0.0)
+        where = np.flatnonzero(drops)
+        seen = [where[where < t] for t in steps]
+        annealing = Annealing(
+            drop=np.concatenate([drops[k] for k in seen]),
+            rate=np.concatenate([self.lrs[k] for k in seen]),
+            area=np.concatenate([prefix[t] - prefix[k] for t, k in zip(steps, seen, strict=True)]),
+            point=np.concatenate([np.full(len(k), i) for i, k in enumerate(seen)]).astype(int),
+        )
+        return prefix[np.asarray(steps)] * self.tokens_per_step, annealing
+
+
+@dataclass(frozen=True)
+class CurvePoints:
+    """Validation losses along runs: each after `step` steps of a schedule, with what that schedule had swept."""
+
+    n: np.ndarray
+    step: np.ndarray
+    tokens: np.ndarray
+    s1: np.ndarray
+    annealing: Annealing
+    loss: np.ndarray
+    run: np.ndarray  # which run (an index into `runs`)
+    runs: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.loss)
+
+    @classmethod
+    def concat(cls, parts: list[CurvePoints]) -> CurvePoints:
+        offsets = np.cumsum([0, *(len(p.runs) for p in parts)])
+        return cls(
+            *(np.concatenate([getattr(p, k) for p in parts]) for k in ("n", "step", "tokens", "s1")),
+            annealing=Annealing.concat([p.annealing for p in parts], [len(p) for p in parts]),
+            loss=np.concatenate([p.loss for p in parts]),
+            run=np.concatenate([p.run + o for p, o in zip(parts, offsets, strict=False)]),
+            runs=tuple(r for p in parts for r in p.runs),
+        )
+
+
+def curve_points(
+    n: float, losses: dict[tuple[int, int], float], schedules: dict[int, Schedule], name: str = ""
+) -> CurvePoints:
+    """Points of one run: `losses[(step, horizon)]` measured after `step` steps of the schedule that ends at
+    `horizon` (the run's own, or a decay branch's)."""
+    keys = sorted(losses)
+    s1, parts, sizes, tokens = [], [], [], []
+    for horizon in sorted({h for _, h in keys}):
+        steps = [s for s, h in keys if h == horizon]
+        a1, annealing = schedules[horizon].at(steps)
+        s1.append(a1)
+        parts.append(annealing)
+        sizes.append(len(steps))
+        tokens += [s * schedules[horizon].tokens_per_step for s in steps]
+    order = sorted(keys, key=lambda k: (k[1], k[0]))
+    return CurvePoints(
+        n=np.full(len(keys), float(n)),
+        step=np.array([s for s, _ in order], dtype=float),
+        tokens=np.asarray(tokens),
+        s1=np.concatenate(s1),
+        annealing=Annealing.concat(parts, sizes),
+        loss=np.array([losses[k] for k in order]),
+        run=np.zeros(len(keys), dtype=int),
+        runs=(name,),
+    )
+
+
+def run_curve(run_dir: str | Path, n: float, min_step: int = 1) -> CurvePoints:
+    """A finished pretraining run's validation curve (every evaluation from `min_step` on) and its decay
+    branches' end points, read from its spec.json and metrics.jsonl."""
+    run_dir = Path(run_dir)
+    spec = json.loads((run_dir / "spec.json").read_text())
+    optim = OptimConfig.model_validate(spec["optim"])
+    horizon = int(spec["train"]["max_steps"])
+    per_step = spec["train"]["global_batch_size"] * spec["train"]["seq_len"]
+    losses: dict[tuple[int, int], float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line) if line.strip() else {}
+        if "horizon/val_loss" in m:
+            h = int(m["horizon/steps"])
+            losses[(h, h)] = float(m["horizon/val_loss"])
+        elif "val/loss" in m and max(1, min_step) <= m["step"] <= horizon:
+            losses[(int(m["step"]), horizon)] = float(m["val/loss"])
+    losses = {k: v for k, v in losses.items() if k[0] >= min_step}
+    schedules = {h: Schedule.of(optim, h, per_step) for h in {h for _, h in losses}}
+    return curve_points(n, losses, schedules, str(run_dir))
+
+
+@dataclass(frozen=True)
+class CurveLaw:
+    """The law in the module docstring (S1 in millions of tokens, S_k in steps at the peak rate)."""
+
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+    D: float
+    C: float
+
+    @classmethod
+    def from_theta(cls, theta: np.ndarray) -> CurveLaw:
+        e, a, alpha, b, beta, d, c = (float(x) for x in theta)
+        return cls(
+            E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=alpha, beta=beta, D=math.exp(d), C=math.exp(c)
+        )
+
+    def loss(self, n: np.ndarray | float, s1: np.ndarray, annealing: Annealing) -> np.ndarray:
+        s1 = np.asarray(s1, dtype=float)
+        x = self.C * annealing.area / np.sqrt(annealing.rate)
+        gain = np.bincount(annealing.point, weights=annealing.drop * x / (1.0 + x), minlength=s1.size)
+        return (
+            self.E
+            + self.A * np.power(n, -self.alpha)
+            + self.B * np.power(s1 / 1e6, -self.beta)
+            - self.D * gain
+        )
+
+    def curve(self, n: float, schedule: Schedule, steps: list[int]) -> np.ndarray:
+        """The predicted loss after each of `steps` optimiser steps of `schedule`."""
+        s1, annealing = schedule.at(steps)
+        return self.loss(n, s1, annealing)
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CurveFit:
+    law: CurveLaw
+    rel_errors: np.ndarray  # |predicted / measured − 1| per point, in sample
+    run_offsets: np.ndarray  # per run: its mean log residual (how far the run sits from the law)
+    n_points: int
+    n_runs: int
+
+    def summary(self) -> dict[str, float | int | dict[str, float]]:
+        return {
+            "law": self.law.as_dict(),
+            "n_points": self.n_points,
+            "n_runs": self.n_runs,
+            "mean_rel_error": float(self.rel_errors.mean()),
+            "max_rel_error": float(self.rel_errors.max()),
+            "run_offset_sd": float(self.run_offsets.std(ddof=1)) if self.n_runs > 1 else 0.0,
+        }
+
+
+def fit_curve_law(points: CurvePoints, start: dict[str, float] | None = None, seed: int = 0) -> CurveFit:
+    """Fit the law to every point (log loss, soft-L1) from `start` (e.g. the sweep's Chinchilla law: E, A, B,
+    alpha, beta) and random perturbations of it; the lowest objective wins."""
+    sizes = len(np.unique(points.n))
+    if len(points) < 8 or sizes < 2:
+        raise ValueError(
+            f"a loss-curve law needs at least 8 points from runs of 2 or more sizes (got {len(points)} points, "
+            f"{sizes} sizes)"
+        )
+    y = np.log(points.loss)
+
+    def residuals(theta: np.ndarray) -> np.ndarray:
+        predicted = CurveLaw.from_theta(theta).loss(points.n, points.s1, points.annealing)
+        return np.log(np.clip(predicted, 1e-6, None)) - y
+
+    s = start or {"E": 1.5, "A": 30.0, "B": 300.0, "alpha": 0.3, "beta": 0.5}
+    b = math.log(s["B"]) - s["beta"] * math.log(1e6)  # the law's B for D in tokens, here in millions
+    base = np.array(
+        [math.log(s["E"]), math.log(s["A"]), s["alpha"], b, s["beta"], math.log(0.2), math.log(0.1)]
+    )
+    rng = np.random.default_rng(seed)
+    best = None
+    for i in range(N_STARTS):
+        theta0 = base + (rng.normal(0.0, 0.5, base.size) if i else 0.0)
+        with np.errstate(over="ignore", invalid="ignore"):
+            sol = least_squares(residuals, theta0, loss="soft_l1", f_scale=ROBUST_SCALE, max_nfev=2000)
+        if np.isfinite(sol.cost) and (best is None or sol.cost < best.cost):
+            best = sol
+    if best is None:
+        raise ValueError("the loss-curve law did not converge from any start")
+    law = CurveLaw.from_theta(best.x)
+    resid = np.log(law.loss(points.n, points.s1, points.annealing)) - y
+    offsets = np.array([resid[points.run == r].mean() for r in np.unique(points.run)])
+    return CurveFit(law, np.abs(np.expm1(resid)), offsets, len(points), len(offsets))
