@@ -56,7 +56,7 @@ def _curve(fit: Any, curves: CurvePoints, path: Path) -> None:
     )
     left.scatter(
         curves.tokens / 1e6,
-        law.loss(curves.n, curves.s1, curves.s2),
+        law.loss(curves.n, curves.s1, curves.annealing),
         marker="x",
         s=12,
         c="k",
