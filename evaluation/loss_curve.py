@@ -109,6 +109,17 @@ class CurvePoints:
             runs=tuple(r for p in parts for r in p.runs),
         )
 
+    def subset(self, mask: np.ndarray) -> CurvePoints:
+        """The points where `mask` holds, with their drops."""
+        index = np.cumsum(mask) - 1  # a kept point's new index
+        own = mask[self.annealing.point]
+        annealing = Annealing(
+            *(getattr(self.annealing, k)[own] for k in ("drop", "rate", "area")),
+            index[self.annealing.point[own]],
+        )
+        fields = {k: getattr(self, k)[mask] for k in ("n", "step", "tokens", "s1", "loss", "run")}
+        return CurvePoints(**fields, annealing=annealing, runs=self.runs)
+
 
 def curve_points(
     n: float, losses: dict[tuple[int, int], float], schedules: dict[int, Schedule], name: str = ""

@@ -138,8 +138,12 @@ def _fit(
         )
         updates |= {"task_law": task.fit.law.as_dict(), "task_intervals": task.boot.intervals()}
     curves = sweep_curves(sweep.results, recipe.sweep.min_steps)
-    if curves is not None:
-        curve_fit = fit_curve_law(curves, start=fit.law)
+    try:
+        curve_fit = fit_curve_law(curves, start=fit.law) if curves is not None else None
+    except ValueError as e:  # too few points or sizes: the point law stands without the curve
+        log.warning("no loss-curve law: %s", e)
+        curve_fit = None
+    if curve_fit is not None:
         prediction = prediction.model_copy(update={"curve": rung_curve(rung, curve_fit.law)})
         updates["curve_law"] = curve_fit.summary()
     fit = fit.model_copy(update={**updates, "rung": prediction})
@@ -195,7 +199,10 @@ def rung_curve(rung: Recipe, law: CurveLaw) -> CurvePrediction:
         loss=[float(x) for x in curve],
         schedules={
             "as planned": float(curve[-1]),
-            **{k: float(law.curve(n, Schedule.of(o, steps, per_step), [steps])[0]) for k, o in variants.items()},
+            **{
+                k: float(law.curve(n, Schedule.of(o, steps, per_step), [steps])[0])
+                for k, o in variants.items()
+            },
         },
     )
 

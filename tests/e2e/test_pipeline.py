@@ -163,6 +163,7 @@ def test_mlflow_holds_the_lineage(served_run):
         "fit/isoflop.png",
         "fit/contours.png",
         "fit/prediction.png",
+        "fit/curve.png",
     }
     # the rung (the model trained at the target budget) was predicted, then measured
     rung_metrics = children["pretrain"].data.metrics
@@ -194,6 +195,17 @@ def test_mlflow_holds_the_lineage(served_run):
     assert count_n(ModelConfig(**spec["model"]), fit["param_count"]) == rung["n"]
     train = spec["train"]
     assert train["max_steps"] * train["global_batch_size"] * train["seq_len"] == rung["d"]
+    # its whole validation curve: predicted before it trained (the fit stage's fit.json holds no measurement),
+    # then measured at every evaluation the run logged; the error is the largest over them
+    (before,) = out.glob("fit/*/fit.json")
+    predicted = json.loads(before.read_text())["rung"]["curve"]
+    curve = rung["curve"]
+    assert predicted["measured"] is None and curve["loss"] == predicted["loss"]
+    records = [json.loads(line) for line in (rung_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = {m["step"]: m["val/loss"] for m in records if "val/loss" in m and m["step"] > 0}
+    assert curve["steps"] == sorted(logged) and curve["measured"] == [logged[s] for s in curve["steps"]]
+    errors = [abs(p / m - 1) for p, m in zip(curve["loss"], curve["measured"], strict=True)]
+    assert len(errors) == 8 and curve["max_rel_error"] == pytest.approx(max(errors))
     assert "hf_export" in {a.path for a in client.list_artifacts(children["pretrain"].info.run_id)}
     sft_artifacts = {a.path for a in client.list_artifacts(children["sft"].info.run_id)}
     assert {"adapter", "hf_export"} <= sft_artifacts

@@ -17,7 +17,9 @@ def wsd(steps: int, decay: float = 0.2) -> OptimConfig:
 
 
 def test_a_constant_rate_sweeps_its_tokens_and_no_drop() -> None:
-    s1, annealing = Schedule.of(OptimConfig(lr=1e-3, schedule="constant", warmup_steps=0), 50, 2048).at([10, 50])
+    s1, annealing = Schedule.of(OptimConfig(lr=1e-3, schedule="constant", warmup_steps=0), 50, 2048).at(
+        [10, 50]
+    )
     assert s1.tolist() == pytest.approx([10 * 2048, 50 * 2048])
     assert annealing.drop.size == 0
 
@@ -50,7 +52,13 @@ def synthetic_run(n: float, steps: int, horizons: list[int], rng: np.random.Gene
 def test_the_fit_recovers_a_known_law_and_predicts_another_size_and_schedule() -> None:
     rng = np.random.default_rng(0)
     runs = [synthetic_run(n, 1600, [400, 800], rng) for n in (1e4, 3e4, 6e4, 1.2e5, 2.4e5)]
-    fit = fit_curve_law(CurvePoints.concat(runs))
+    points = CurvePoints.concat(runs)
+    fit = fit_curve_law(points)
+    one = points.subset(points.run == 2)  # a run taken back out has its own drops, not its neighbours'
+    assert (
+        TRUTH.loss(one.n, one.s1, one.annealing).tolist()
+        == TRUTH.loss(6e4, runs[2].s1, runs[2].annealing).tolist()
+    )
     assert fit.n_points == 5 * 10 and fit.n_runs == 5
     assert fit.law.D * 0.9 == pytest.approx(TRUTH.D * 0.9, abs=0.03)  # the gain of a full decay, in nats
     assert fit.rel_errors.mean() < 0.006  # the noise, not a misfit

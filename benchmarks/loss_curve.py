@@ -1,0 +1,69 @@
+"""How well the loss-curve law predicts curves it has not seen, on a finished pipeline's outputs (`make demo`'s by
+default): fitted on every sweep run, its in-sample error; fitted without one run, its error on that run's points
+(each run in turn); and the rung's curve against the prediction its fit.json recorded before it trained.
+
+    .venv/bin/python benchmarks/loss_curve.py [outputs] [--recipe demo]
+
+One JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from evaluation.loss_curve import fit_curve_law  # noqa: E402
+from flows.scaling import sweep_curves  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outputs", nargs="?", default="outputs")
+    parser.add_argument("--recipe", default="demo")
+    parser.add_argument("--min-step", type=int, default=100, help="the recipe's sweep.min_steps")
+    args = parser.parse_args()
+    out = Path(args.outputs)
+    (results,) = sorted(out.glob(f"sweep/{args.recipe}-*/results.parquet"), key=lambda p: p.stat().st_mtime)[
+        -1:
+    ]
+    points = sweep_curves(results, args.min_step)
+    fit = fit_curve_law(points)
+    held_out = []
+    for run in np.unique(points.run):
+        mine = points.run == run
+        law = fit_curve_law(points.subset(~mine)).law
+        test = points.subset(mine)
+        held_out += list(np.abs(law.loss(test.n, test.s1, test.annealing) / test.loss - 1))
+    record: dict = {
+        "benchmark": "loss_curve",
+        "points": len(points),
+        "runs": len(points.runs),
+        "in_sample_mean_rel_error": float(fit.rel_errors.mean()),
+        "in_sample_max_rel_error": float(fit.rel_errors.max()),
+        "run_offset_sd": fit.summary()["run_offset_sd"],
+        "leave_one_run_out_mean_rel_error": float(np.mean(held_out)),
+        "leave_one_run_out_max_rel_error": float(np.max(held_out)),
+    }
+    checked = sorted(out.glob(f"rung/{args.recipe}-*/fit.json"), key=lambda p: p.stat().st_mtime)
+    curve = json.loads(checked[-1].read_text())["rung"].get("curve") if checked else None
+    if curve and curve.get("measured"):
+        record |= {
+            "rung_curve_errors": [
+                round(p / m - 1, 5) for p, m in zip(curve["loss"], curve["measured"], strict=True)
+            ],
+            "rung_curve_max_rel_error": curve["max_rel_error"],
+            "rung_schedules": curve["schedules"],
+        }
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
