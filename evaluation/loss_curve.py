@@ -213,10 +213,18 @@ class CurveFit:
     law: CurveLaw
     rel_errors: np.ndarray  # |predicted / measured − 1| per point, in sample
     run_offsets: np.ndarray  # per run: its mean log residual (how far the run sits from the law)
+    held_out: (
+        np.ndarray
+    )  # per point: the error of the law fitted without the point's run (empty: not measured)
     n_points: int
     n_runs: int
 
-    def summary(self) -> dict[str, float | int | dict[str, float]]:
+    @property
+    def band(self) -> float | None:
+        """The relative error 95% of a held-out run's points stayed within: how far a new run's curve can lie."""
+        return float(np.quantile(self.held_out, 0.95)) if self.held_out.size else None
+
+    def summary(self) -> dict[str, float | int | dict[str, float] | None]:
         return {
             "law": self.law.as_dict(),
             "n_points": self.n_points,
@@ -224,12 +232,17 @@ class CurveFit:
             "mean_rel_error": float(self.rel_errors.mean()),
             "max_rel_error": float(self.rel_errors.max()),
             "run_offset_sd": float(self.run_offsets.std(ddof=1)) if self.n_runs > 1 else 0.0,
+            "held_out_mean_rel_error": float(self.held_out.mean()) if self.held_out.size else None,
+            "held_out_rel_error_95": self.band,
         }
 
 
-def fit_curve_law(points: CurvePoints, start: dict[str, float] | None = None, seed: int = 0) -> CurveFit:
+def fit_curve_law(
+    points: CurvePoints, start: dict[str, float] | None = None, seed: int = 0, cross_validate: bool = True
+) -> CurveFit:
     """Fit the law to every point (log loss, soft-L1) from `start` (e.g. the sweep's Chinchilla law: E, A, B,
-    alpha, beta) and random perturbations of it; the lowest objective wins."""
+    alpha, beta) and random perturbations of it; the lowest objective wins. With `cross_validate` (and 3 or more
+    sizes) the law is refitted without each run in turn and scored on that run's points: a new run's error."""
     sizes = len(np.unique(points.n))
     if len(points) < 8 or sizes < 2:
         raise ValueError(
@@ -259,5 +272,14 @@ def fit_curve_law(points: CurvePoints, start: dict[str, float] | None = None, se
         raise ValueError("the loss-curve law did not converge from any start")
     law = CurveLaw.from_theta(best.x)
     resid = np.log(law.loss(points.n, points.s1, points.annealing)) - y
-    offsets = np.array([resid[points.run == r].mean() for r in np.unique(points.run)])
-    return CurveFit(law, np.abs(np.expm1(resid)), offsets, len(points), len(offsets))
+    runs = np.unique(points.run)
+    offsets = np.array([resid[points.run == r].mean() for r in runs])
+    held_out = []
+    if cross_validate and sizes >= 3:
+        for run in runs:
+            mine = points.run == run
+            other = fit_curve_law(points.subset(~mine), start, seed, cross_validate=False).law
+            test = points.subset(mine)
+            held_out.append(np.abs(other.loss(test.n, test.s1, test.annealing) / test.loss - 1.0))
+    held = np.concatenate(held_out) if held_out else np.empty(0)
+    return CurveFit(law, np.abs(np.expm1(resid)), offsets, held, len(points), len(offsets))

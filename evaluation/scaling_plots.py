@@ -76,9 +76,18 @@ def _curve(fit: Any, curves: CurvePoints, path: Path) -> None:
         tokens = np.array(rung.tokens) / 1e6
         predicted = np.array(rung.loss)
         right.plot(tokens, predicted, "o-", color="tab:blue", label="predicted before training")
-        right.fill_between(
-            tokens, predicted * 0.985, predicted * 1.015, color="tab:blue", alpha=0.15, label="±1.5%"
-        )
+        if rung.band is not None:
+            right.fill_between(
+                tokens,
+                predicted * (1 - rung.band),
+                predicted * (1 + rung.band),
+                color="tab:blue",
+                alpha=0.12,
+                label=f"±{rung.band:.1%}: 95% of held-out sweep runs' points",
+            )
+        for sign in (-1, 1):
+            right.plot(tokens, predicted * (1 + sign * 0.015), ":", color="tab:blue", lw=0.8)
+        right.plot([], [], ":", color="tab:blue", lw=0.8, label="±1.5% (the goal)")
         if rung.measured is not None:
             seen = [(t, m) for t, m in zip(tokens, rung.measured, strict=True) if m is not None]
             label = "measured" + (

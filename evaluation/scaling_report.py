@@ -50,9 +50,8 @@ class CurvePrediction(BaseModel):
     steps: list[int]
     tokens: list[float]
     loss: list[float]
-    schedules: dict[
-        str, float
-    ]  # the loss at the run's end under another schedule: what it would have reached
+    schedules: dict[str, float]  # the loss at the run's end under other schedules: what it would have reached
+    band: float | None = None  # relative: 95% of a held-out sweep run's points were this close to the law
     measured: list[float | None] | None = None
     max_rel_error: float | None = None
 
@@ -455,6 +454,8 @@ def rung_lines(rung: Prediction | None) -> list[str]:
     curve = rung.curve
     if curve is not None:
         line = f"  Validation curve: {len(curve.steps)} evaluations predicted"
+        if curve.band is not None:
+            line += f" (95% of held-out sweep runs' points within ±{curve.band:.1%} of the law)"
         if curve.max_rel_error is not None:
             line += f", max error {curve.max_rel_error:.2%} (goal ≤ {CURVE_TOLERANCE:.1%})"
         others = ", ".join(f"{k} {v:.4f}" for k, v in curve.schedules.items())

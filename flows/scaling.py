@@ -144,7 +144,8 @@ def _fit(
         log.warning("no loss-curve law: %s", e)
         curve_fit = None
     if curve_fit is not None:
-        prediction = prediction.model_copy(update={"curve": rung_curve(rung, curve_fit.law)})
+        curve = rung_curve(rung, curve_fit.law).model_copy(update={"band": curve_fit.band})
+        prediction = prediction.model_copy(update={"curve": curve})
         updates["curve_law"] = curve_fit.summary()
     fit = fit.model_copy(update={**updates, "rung": prediction})
     write_fit_plots(fit, points, out, curves)

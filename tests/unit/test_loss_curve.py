@@ -3,6 +3,8 @@ and predicts a new size's curve under a schedule it never saw."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -60,7 +62,7 @@ def test_the_fit_recovers_a_known_law_and_predicts_another_size_and_schedule() -
         == TRUTH.loss(6e4, runs[2].s1, runs[2].annealing).tolist()
     )
     assert fit.n_points == 5 * 10 and fit.n_runs == 5
-    assert fit.law.D * 0.9 == pytest.approx(TRUTH.D * 0.9, abs=0.03)  # the gain of a full decay, in nats
+    assert pytest.approx(TRUTH.D * 0.9, abs=0.03) == fit.law.D * 0.9  # the gain of a full decay, in nats
     assert fit.rel_errors.mean() < 0.006  # the noise, not a misfit
     # a size between the swept ones, trained twice as long under a schedule none of them used
     cosine = OptimConfig(lr=8e-3, schedule="cosine", warmup_steps=20, min_lr_ratio=0.1)
@@ -73,3 +75,13 @@ def test_a_law_needs_runs_of_two_sizes() -> None:
     rng = np.random.default_rng(1)
     with pytest.raises(ValueError, match="2 or more sizes"):
         fit_curve_law(CurvePoints.concat([synthetic_run(1e4, 800, [200, 400], rng)]))
+
+
+def test_the_band_is_how_far_held_out_runs_landed() -> None:
+    rng = np.random.default_rng(2)
+    runs = [synthetic_run(n, 1600, [400, 800], rng) for n in (1e4, 3e4, 6e4, 1.2e5, 2.4e5)]
+    assert fit_curve_law(CurvePoints.concat(runs)).band < 0.015  # the 0.5% noise, and the law's extrapolation
+    shifted = CurvePoints.concat([*runs[:2], replace(runs[2], loss=runs[2].loss * 1.05), *runs[3:]])
+    fit = fit_curve_law(shifted)
+    assert fit.band > 0.04  # a run 5% off the law is 5% off when it is held out
+    assert fit.rel_errors.mean() < fit.held_out.mean()
