@@ -167,10 +167,13 @@ def _fit(
 
 
 def sweep_curves(results: str | Path, min_step: int = 1) -> CurvePoints | None:
-    """The validation curves of a sweep's completed runs from step `min_step` on (the early plateau left out, as
-    in the sweep's points); None when a run's files are not on this machine."""
-    rows = [r for r in pq.read_table(results).to_pylist() if r["status"] == "completed" and r.get("run_dir")]
-    runs = {r["run_dir"]: r["N"] for r in rows}
+    """The validation curves of the sweep runs the fit uses (with a learning-rate grid, the best rate's) from step
+    `min_step` on (the early plateau left out, as in the sweep's points); None when a run's files are not on
+    this machine."""
+    fitted = sweep_points(results)
+    chosen = set() if fitted.run is None else set(fitted.run.tolist())
+    rows = pq.read_table(results).to_pylist()
+    runs = {r["run_dir"]: r["N"] for r in rows if r.get("run_dir") in chosen}
     try:
         return CurvePoints.concat([run_curve(d, n, min_step) for d, n in runs.items()]) if runs else None
     except FileNotFoundError as e:
