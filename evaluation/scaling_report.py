@@ -420,6 +420,7 @@ def headline(fit: ScalingFit) -> str:
         f"N counts {fit.param_count} parameters (matmul: every matrix multiply per token, head included)"
     )
     lines += rung_lines(fit.rung)
+    lines += goal_lines(fit)
     if fit.contamination:
         c = fit.contamination
         lines.append(
@@ -427,6 +428,36 @@ def headline(fit: ScalingFit) -> str:
             f"canonical solutions occur verbatim in the training shards {c['found'] or ''}"
         )
     return "\n".join(lines)
+
+
+def precision_goals(fit: ScalingFit) -> list[tuple[str, str, bool]]:
+    """What a decision needs from a ladder, each as (what, measured vs goal, met): the compute-optimal size pinned
+    within 1.5x (95% interval high/low), both exponents' 95% intervals narrower than 0.15, the rung's law interval
+    within ±3%, its measured loss within 1% and its validation curve within 1.5% of the prediction."""
+    goals = []
+    lo, hi = fit.optimal.n_opt_interval
+    goals.append(("N* 95% interval", f"{hi / lo:.2f}x (goal ≤ 1.5x)", hi / lo <= 1.5))
+    for k in ("alpha", "beta"):
+        width = fit.intervals[k][1] - fit.intervals[k][0]
+        goals.append((f"{k} 95% interval", f"width {width:.3f} (goal < 0.15)", width < 0.15))
+    rung = fit.rung
+    if rung is not None:
+        half = (rung.interval[1] - rung.interval[0]) / 2 / rung.loss
+        goals.append(("rung's law interval", f"±{half:.1%} (goal ±3%)", half <= 0.03))
+        if rung.rel_error is not None:
+            goals.append(("rung's loss", f"{rung.rel_error:.2%} off (goal ≤ 1%)", rung.rel_error <= 0.01))
+        if rung.curve is not None and rung.curve.max_rel_error is not None:
+            error = rung.curve.max_rel_error
+            goals.append(("rung's curve", f"max {error:.2%} off (goal ≤ 1.5%)", error <= CURVE_TOLERANCE))
+    return goals
+
+
+def goal_lines(fit: ScalingFit) -> list[str]:
+    goals = precision_goals(fit)
+    met = [g for g in goals if g[2]]
+    lines = [f"Precision goals: {len(met)} of {len(goals)} met"]
+    lines += [f"  {'met    ' if ok else 'not met'} {what}: {value}" for what, value, ok in goals]
+    return lines
 
 
 def rung_lines(rung: Prediction | None) -> list[str]:

@@ -13,7 +13,14 @@ import pytest
 from evaluation.chinchilla_fit import Law, batched_lbfgs, batched_objective, bootstrap, fit_law, grid_starts
 from evaluation.isoflop import fit_parabolas
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points, points_from_table
-from evaluation.scaling_report import ScalingFit, headline, run_fit_scaling
+from evaluation.scaling_report import (
+    CurvePrediction,
+    Prediction,
+    ScalingFit,
+    headline,
+    precision_goals,
+    run_fit_scaling,
+)
 
 TRUE = Law(E=1.7, A=400.0, B=1500.0, alpha=0.34, beta=0.30)
 COARSE = grid_starts()[::7]  # 643 starts: enough for these tests, a few times faster than the full grid
@@ -128,6 +135,19 @@ def test_run_fit_scaling_writes_fit_json_and_plots(tmp_path):
     text = headline(loose)
     assert "warning: E=0 sits at its bound" in text
     assert "warning: alpha's 95% interval [0.05, 1.1] spans more than 3x" in text and "beta's" not in text
+    # the precision goals, each judged: this sweep's exponents are pinned (0.3% noise), the loose one's alpha not
+    goals = {what: ok for what, _, ok in precision_goals(fit)}
+    assert goals["alpha 95% interval"] and goals["beta 95% interval"]
+    assert not {what: ok for what, _, ok in precision_goals(loose)}["alpha 95% interval"]
+    lo, hi = fit.optimal.n_opt_interval
+    assert goals["N* 95% interval"] == (hi / lo <= 1.5) and "Precision goals:" in headline(fit)
+    curve = CurvePrediction(steps=[10, 20], tokens=[1e5, 2e5], loss=[3.0, 2.0], schedules={"as planned": 2.0})
+    rung = Prediction(n=1e5, d=2e6, loss=2.0, interval=(1.95, 2.05), curve=curve)
+    checked = fit.model_copy(update={"rung": rung.check(2.01, None, {10: 2.94, 20: 2.01})})
+    goals = {what: (value, ok) for what, value, ok in precision_goals(checked)}
+    assert goals["rung's law interval"] == ("±2.5% (goal ±3%)", True)
+    assert goals["rung's loss"] == ("0.50% off (goal ≤ 1%)", True)
+    assert goals["rung's curve"] == ("max 2.04% off (goal ≤ 1.5%)", False)  # 3.0 predicted, 2.94 measured
 
 
 # ---- bad input ------------------------------------------------------------------------------------------
