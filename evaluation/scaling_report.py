@@ -27,6 +27,7 @@ PLOTS = ("isoflop.png", "contours.png", "residuals.png", "prediction.png")
 CURVE_PLOT = "curve.png"  # the rung's curve against the law's, when a loss-curve law was fitted
 LAW_KEYS = ("E", "A", "B", "alpha", "beta")
 RUNG_TOLERANCE = 0.03  # a prediction holds when the measurement is inside its 95% interval and this close
+CURVE_TOLERANCE = 0.015  # the goal for the rung's whole validation curve: each evaluation this close
 
 
 class ComputeOptimal(BaseModel):
@@ -38,9 +39,6 @@ class ComputeOptimal(BaseModel):
     loss_interval: tuple[float, float]
     n_opt_interval: tuple[float, float]
     n_total_opt: float  # for MoE: total parameters at the optimal active size (median total/active ratio)
-
-
-CURVE_TOLERANCE = 0.015  # the rung's whole validation curve: each evaluation within this of the law's curve
 
 
 class CurvePrediction(BaseModel):

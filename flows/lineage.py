@@ -128,6 +128,8 @@ def record_fit(recipe: Recipe, law: ScalingFit, fitted: Path, budget: float) -> 
     if rung is not None and rung.measured_loss is not None:
         numbers |= {"fit/rung_predicted_loss": rung.loss, "fit/rung_measured_loss": rung.measured_loss}
         numbers |= {"fit/rung_rel_error": rung.rel_error, "fit/rung_held": float(rung.held)}
+        if rung.curve is not None and rung.curve.max_rel_error is not None:
+            numbers["fit/rung_curve_max_rel_error"] = rung.curve.max_rel_error
     files = (fitted / "fit.json", *sorted(fitted.glob("*.png")))
     digest = sha256_file(fitted / "fit.json")
     record_stage(recipe, "fit", digest, numbers, {"budget": budget}, files, {"lmforge.run_dir": str(fitted)})

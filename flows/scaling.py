@@ -42,9 +42,7 @@ if TYPE_CHECKING:
     from flows.recipe import Recipe
 
 log = logging.getLogger(__name__)
-FIT_VERSION = (
-    3  # 2: Huber threshold from the noise, intervals from the noise model, prediction intervals; 3: curve
-)
+FIT_VERSION = 3  # 2: noise-model intervals, prediction intervals; 3: the loss-curve law and the rung's curve
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
