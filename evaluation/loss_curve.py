@@ -148,9 +148,9 @@ def curve_points(
     )
 
 
-def run_curve(run_dir: str | Path, n: float, min_step: int = 1) -> CurvePoints:
+def run_curve(run_dir: str | Path, n: float, min_step: int = 1) -> CurvePoints | None:
     """A finished pretraining run's validation curve (every evaluation from `min_step` on) and its decay
-    branches' end points, read from its spec.json and metrics.jsonl."""
+    branches' end points, read from its spec.json and metrics.jsonl; None when it has none."""
     run_dir = Path(run_dir)
     spec = json.loads((run_dir / "spec.json").read_text())
     optim = OptimConfig.model_validate(spec["optim"])
@@ -165,6 +165,8 @@ def run_curve(run_dir: str | Path, n: float, min_step: int = 1) -> CurvePoints:
         elif "val/loss" in m and max(1, min_step) <= m["step"] <= horizon:
             losses[(int(m["step"]), horizon)] = float(m["val/loss"])
     losses = {k: v for k, v in losses.items() if k[0] >= min_step}
+    if not losses:
+        return None
     schedules = {h: Schedule.of(optim, h, per_step) for h in {h for _, h in losses}}
     return curve_points(n, losses, schedules, str(run_dir))
 

@@ -173,10 +173,11 @@ def sweep_curves(results: str | Path, min_step: int = 1) -> CurvePoints | None:
     rows = pq.read_table(results).to_pylist()
     runs = {r["run_dir"]: r["N"] for r in rows if r.get("run_dir") in chosen}
     try:
-        return CurvePoints.concat([run_curve(d, n, min_step) for d, n in runs.items()]) if runs else None
+        curves = [c for c in (run_curve(d, n, min_step) for d, n in runs.items()) if c is not None]
     except FileNotFoundError as e:
         log.warning("no loss-curve law: %s", e)
         return None
+    return CurvePoints.concat(curves) if curves else None
 
 
 def rung_curve(rung: Recipe, law: CurveLaw) -> CurvePrediction:
