@@ -48,7 +48,8 @@ RUNG_VERSION = 2  # 2: the measured validation curve
 
 def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
     """Completed points of a sweep table (`column`: the validation loss, or the probe's `task_loss`); with a
-    learning-rate grid, the best rate per (N, D). A table without one usable point says why."""
+    learning-rate grid, the best rate per (N, D) and seed (every seed's replica is a run of its own). A table
+    without one usable point says why."""
     table = pq.read_table(results)
     rows = table.to_pylist()
     usable = [r for r in rows if r["status"] == "completed" and r.get(column) is not None]
@@ -60,7 +61,7 @@ def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
         )
     best: dict[tuple[int, int], dict[str, Any]] = {}
     for row in usable:
-        key = (row["N"], row["D"])
+        key = (row["N"], row["D"], row.get("seed"))
         if key not in best or row[column] < best[key][column]:
             best[key] = row
     chosen = pa.Table.from_pylist(list(best.values())) if best else table.slice(0, 0)

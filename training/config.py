@@ -367,6 +367,8 @@ class SweepConfig(BaseModel):
     budget's token count, so one run gives one point per budget. The global batch can grow with the run's tokens
     (B ∝ D^batch_exponent, rounded to a power of two) and warmup is a share of the shortest horizon. An optional
     learning-rate grid multiplies the trials; `scheduler: asha` stops poor rates early (kept out of the fits).
+    `seeds` replicates every run with other initialisations and data orders: on the demo sweep a run's offset from
+    the law did not carry over to another seed, so replicas are what narrows the law's intervals.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -375,6 +377,9 @@ class SweepConfig(BaseModel):
     depths: list[PositiveInt] = Field(default_factory=list)  # model.depth values (size dial, recipe's aspect)
     sizes: list[SweepSize] = Field(default_factory=list)  # explicit (depth, width) sizes, after `depths`
     lrs: list[PositiveFloat] = Field(default_factory=list)  # empty: the recipe's optim.lr
+    seeds: list[NonNegativeInt] = Field(
+        default_factory=list
+    )  # replicas per size (train.seed); empty: the recipe's
     multi_horizon: bool = False
     batch_exponent: float = Field(0.0, ge=0.0, le=1.0)  # 0: the recipe's global batch for every run
     reference_tokens: PositiveFloat | None = None  # the D at which the recipe's global batch applies

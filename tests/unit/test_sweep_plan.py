@@ -11,7 +11,7 @@ from evaluation.scaling_data import ScalingDataError
 from flows.recipe import load_recipe
 from flows.scaling import rung_size, size_for_budget, sweep_points
 from training.sizing import count_n
-from training.stages.sweep import plan_trials
+from training.stages.sweep import plan_trials, trial_spec
 
 
 def demo(*overrides: str):
@@ -151,3 +151,49 @@ def test_rung_sizes_keep_whole_kv_groups():
         assert rung.model.n_heads % rung.model.n_kv_heads == 0
     with pytest.raises(ValueError, match="kv grouping"):
         plan_trials(recipe.override({"sweep.sizes": [{"depth": 2, "width": 80}]}).sweep_spec())
+
+
+def test_seed_replicas_are_runs_of_their_own(tmp_path):
+    """`sweep.seeds` replicates every run under another train.seed; each replica's points stay in the fit as a run
+    of its own (the best learning rate is chosen per seed, never the luckier seed's loss per point)."""
+    recipe = demo("sweep.seeds=[0, 1]", "sweep.lrs=[0.004, 0.008]")
+    plans, _ = plan_trials(recipe.sweep_spec())
+    single, _ = plan_trials(demo().sweep_spec())
+    assert len(plans) == 4 * len(single) and len({p.name for p in plans}) == len(plans)
+    specs = [trial_spec(recipe.sweep_spec(), p, None) for p in plans]
+    assert sorted({(s.train.seed, s.optim.lr) for s in specs}) == [
+        (0, 0.004),
+        (0, 0.008),
+        (1, 0.004),
+        (1, 0.008),
+    ]
+    assert (
+        trial_spec(demo().sweep_spec(), single[0], None).name == f"demo-sweep-{single[0].name}"
+    )  # unchanged
+    rows = [
+        {
+            "N": 1000,
+            "N_total": 1000,
+            "D": d,
+            "C": 6e3 * d,
+            "loss": loss,
+            "status": "completed",
+            "run_dir": run,
+        }
+        | {"seed": seed, "lr": lr}
+        for seed, lr, run, losses in (
+            (0, 0.004, "a", (3.1, 3.0)),
+            (0, 0.008, "b", (3.2, 3.1)),
+            (1, 0.004, "c", (3.3, 3.2)),
+            (1, 0.008, "d", (3.25, 3.15)),
+        )
+        for d, loss in zip((1e6, 2e6), losses, strict=True)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "results.parquet")
+    points = sweep_points(tmp_path / "results.parquet")
+    assert sorted(zip(points.run.tolist(), points.loss.tolist(), strict=True)) == [
+        ("a", 3.0),
+        ("a", 3.1),
+        ("d", 3.15),
+        ("d", 3.25),
+    ]

@@ -12,6 +12,7 @@ imports `ray.tune`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ class TrialPlan(BaseModel):
     depth: int
     width: int
     lr: float
+    seed: int = 0  # train.seed: a replica's initialisation and data order
     n_active: int  # N under the sweep's parameter-count convention (what 6·N·D counts)
     n_total: int
     shape: RunShape  # batch, steps per budget, warmup
@@ -84,7 +86,8 @@ class TrialPlan(BaseModel):
 
     @property
     def name(self) -> str:
-        return f"C{self.budgets[-1]:.3g}-d{self.depth}w{self.width}-lr{self.lr:g}".replace("+", "")
+        name = f"C{self.budgets[-1]:.3g}-d{self.depth}w{self.width}-lr{self.lr:g}".replace("+", "")
+        return name + (f"-seed{self.seed}" if self.seed else "")
 
 
 class SweepResult(Artifact):
@@ -136,13 +139,14 @@ def plan_trials(spec: SweepSpec) -> tuple[list[TrialPlan], list[str]]:
                 continue
             if len(kept) < len(group):
                 shape = run_shape(base, sweep, n, [c for c, _ in kept])
-            for lr in sweep.lrs or [base.optim.lr]:
+            for lr, seed in itertools.product(sweep.lrs or [base.optim.lr], sweep.seeds or [base.train.seed]):
                 plans.append(
                     TrialPlan(
                         budgets=[c for c, _ in kept],
                         depth=size.depth,
                         width=model.d_model,
                         lr=lr,
+                        seed=seed,
                         n_active=n,
                         n_total=count_parameters(model).total,
                         shape=shape,
@@ -167,6 +171,7 @@ def trial_spec(spec: SweepSpec, plan: TrialPlan, parent_run_id: str | None) -> P
         "train.eval_every": -(-plan.steps[-1] // spec.sweep.curve_points),  # the validation curve
         "train.checkpoint_every": plan.steps[-1],
         "optim.lr": plan.lr,
+        "train.seed": plan.seed,
         "probe": spec.sweep.probe,
         "tracking.parent_run_id": parent_run_id,
     }
@@ -203,6 +208,7 @@ def trial_rows(
                 "depth": plan.depth,
                 "width": plan.width,
                 "lr": plan.lr,
+                "seed": plan.seed,
                 "N": plan.n_active,
                 "N_total": plan.n_total,
                 "D": tokens,
