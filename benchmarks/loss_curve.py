@@ -29,10 +29,14 @@ def main() -> None:
     parser.add_argument("--min-step", type=int, default=100, help="the recipe's sweep.min_steps")
     args = parser.parse_args()
     out = Path(args.outputs)
-    (results,) = sorted(out.glob(f"sweep/{args.recipe}-*/results.parquet"), key=lambda p: p.stat().st_mtime)[
-        -1:
-    ]
-    points = sweep_curves(results, args.min_step)
+    sweeps = sorted(out.glob(f"sweep/{args.recipe}-*/results.parquet"), key=lambda p: p.stat().st_mtime)
+    if not sweeps:
+        sys.exit(
+            f"no {args.recipe} sweep under {out}/sweep: run `make demo` (or the recipe's pipeline) first"
+        )
+    points = sweep_curves(sweeps[-1], args.min_step)
+    if points is None:
+        sys.exit(f"{sweeps[-1]}: its runs' directories are not on this machine")
     fit = fit_curve_law(points)
     record: dict = {"benchmark": "loss_curve", "points": len(points), "runs": len(points.runs)}
     record |= {k: v for k, v in fit.summary().items() if k != "law"}

@@ -17,6 +17,7 @@ from evaluation.chinchilla_fit import Law  # noqa: E402
 from evaluation.isoflop import IsoFlopFit  # noqa: E402
 from evaluation.loss_curve import CurveLaw, CurvePoints  # noqa: E402
 from evaluation.scaling_data import ScalingPoints  # noqa: E402
+from evaluation.scaling_report import CURVE_TOLERANCE  # noqa: E402
 
 
 def write_plots(
@@ -42,7 +43,8 @@ def write_plots(
 
 def _curve(fit: Any, curves: CurvePoints, path: Path) -> None:
     """Left: the loss-curve law against every validation point of the sweep. Right: the rung's curve as predicted
-    before it trained (with the ±1.5% goal band), as measured, and the law's end point under other schedules."""
+    before it trained (with the held-out runs' band and the goal), as measured, and the law's end point under
+    other schedules."""
     law = CurveLaw(**fit.curve_law["law"])
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     dots = left.scatter(
@@ -86,10 +88,10 @@ def _curve(fit: Any, curves: CurvePoints, path: Path) -> None:
                 label=f"±{rung.band:.1%}: 95% of held-out sweep runs' points",
             )
         for sign in (-1, 1):
-            right.plot(tokens, predicted * (1 + sign * 0.015), ":", color="tab:blue", lw=0.8)
-        right.plot([], [], ":", color="tab:blue", lw=0.8, label="±1.5% (the goal)")
-        if rung.measured is not None:
-            seen = [(t, m) for t, m in zip(tokens, rung.measured, strict=True) if m is not None]
+            right.plot(tokens, predicted * (1 + sign * CURVE_TOLERANCE), ":", color="tab:blue", lw=0.8)
+        right.plot([], [], ":", color="tab:blue", lw=0.8, label=f"±{CURVE_TOLERANCE:.1%} (the goal)")
+        seen = [(t, m) for t, m in zip(tokens, rung.measured or [], strict=False) if m is not None]
+        if seen:
             label = "measured" + (
                 f" (max error {rung.max_rel_error:.2%})" if rung.max_rel_error is not None else ""
             )
