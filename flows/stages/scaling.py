@@ -97,6 +97,8 @@ def fit_headline(law: ScalingFit) -> dict[str, Any]:
         numbers |= {"rung 95% prediction interval (a run)": list(rung.check_interval)}
         numbers |= {"rung measured loss": rung.measured_loss, "fit/rung_rel_error": rung.rel_error}
         numbers |= {"prediction held": rung.held}
+        if rung.curve is not None:
+            numbers |= {"rung curve max error": rung.curve.max_rel_error}
         if rung.task_loss is not None:
             numbers |= {
                 "rung predicted HumanEval bits/byte": round(rung.task_loss, 4),
@@ -132,9 +134,10 @@ def rung_outputs(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> dict[str, s
 
 
 def rung_report(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> str:
-    from evaluation.scaling_report import rung_lines
+    from evaluation.scaling_report import goal_lines, rung_lines
 
-    return "The rung (the model trained at the fitted size):\n" + "\n".join(rung_lines(law.rung))
+    lines = rung_lines(law.rung) + goal_lines(law)
+    return "The rung (the model trained at the fitted size):\n" + "\n".join(lines)
 
 
 RUNG: StageDef[ScalingFit] = StageDef(
