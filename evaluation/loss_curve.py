@@ -27,6 +27,7 @@ from scipy.optimize import least_squares
 from training.config import OptimConfig
 from training.optim.optimizers import lr_at
 
+CURVE_TOLERANCE = 0.015  # the goal for a predicted curve: each evaluation of the run this close to it
 ROBUST_SCALE = 0.02  # soft-L1 threshold in log loss: residuals beyond ~2% count linearly
 N_STARTS = 8
 

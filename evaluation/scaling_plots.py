@@ -15,9 +15,8 @@ import numpy as np  # noqa: E402
 
 from evaluation.chinchilla_fit import Law  # noqa: E402
 from evaluation.isoflop import IsoFlopFit  # noqa: E402
-from evaluation.loss_curve import CurveLaw, CurvePoints  # noqa: E402
+from evaluation.loss_curve import CURVE_TOLERANCE, CurveLaw, CurvePoints  # noqa: E402
 from evaluation.scaling_data import ScalingPoints  # noqa: E402
-from evaluation.scaling_report import CURVE_TOLERANCE  # noqa: E402
 
 
 def write_plots(

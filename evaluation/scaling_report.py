@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from evaluation.chinchilla_fit import Law
 from evaluation.isoflop import IsoFlopFit, fit_parabolas
 from evaluation.law_noise import IntervalMethod, NoiseModel, calibrated_fit, prediction_interval
-from evaluation.loss_curve import CurvePoints
+from evaluation.loss_curve import CURVE_TOLERANCE, CurvePoints
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points
 from infra.steps import Artifact
 from infra.storage import atomic_write_json
@@ -27,7 +27,6 @@ PLOTS = ("isoflop.png", "contours.png", "residuals.png", "prediction.png")
 CURVE_PLOT = "curve.png"  # the rung's curve against the law's, when a loss-curve law was fitted
 LAW_KEYS = ("E", "A", "B", "alpha", "beta")
 RUNG_TOLERANCE = 0.03  # a prediction holds when the measurement is inside its 95% interval and this close
-CURVE_TOLERANCE = 0.015  # the goal for the rung's whole validation curve: each evaluation this close
 
 
 class ComputeOptimal(BaseModel):
