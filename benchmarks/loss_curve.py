@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from evaluation.loss_curve import fit_curve_law  # noqa: E402
-from flows.scaling import sweep_curves  # noqa: E402
+from flows.scaling import sweep_curves, sweep_points  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
         sys.exit(
             f"no {args.recipe} sweep under {out}/sweep: run `make demo` (or the recipe's pipeline) first"
         )
-    points = sweep_curves(sweeps[-1], args.min_step)
+    points = sweep_curves(sweep_points(sweeps[-1]), args.min_step)
     if points is None:
         sys.exit(f"{sweeps[-1]}: its runs' directories are not on this machine")
     fit = fit_curve_law(points)

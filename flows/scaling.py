@@ -136,7 +136,7 @@ def _fit(
             update={"task_loss": task_loss.loss, "task_interval": task_loss.interval}
         )
         updates |= {"task_law": task.fit.law.as_dict(), "task_intervals": task.boot.intervals()}
-    curves = sweep_curves(sweep.results, recipe.sweep.min_steps)
+    curves = sweep_curves(points, recipe.sweep.min_steps)
     try:
         curve_fit = fit_curve_law(curves, start=fit.law) if curves is not None else None
     except ValueError as e:  # too few points or sizes: the point law stands without the curve
@@ -165,14 +165,11 @@ def _fit(
     return fit
 
 
-def sweep_curves(results: str | Path, min_step: int = 1) -> CurvePoints | None:
-    """The validation curves of the sweep runs the fit uses (with a learning-rate grid, the best rate's) from step
-    `min_step` on (the early plateau left out, as in the sweep's points); None when a run's files are not on
-    this machine."""
-    fitted = sweep_points(results)
-    chosen = set() if fitted.run is None else set(fitted.run.tolist())
-    rows = pq.read_table(results).to_pylist()
-    runs = {r["run_dir"]: r["N"] for r in rows if r.get("run_dir") in chosen}
+def sweep_curves(points: ScalingPoints, min_step: int = 1) -> CurvePoints | None:
+    """The validation curves of the runs behind a sweep's fitted `points` (with a learning-rate grid, the best
+    rate's) from step `min_step` on (the early plateau left out, as in the points); None when a run's files are
+    not on this machine."""
+    runs = {} if points.run is None else dict(zip(points.run.tolist(), points.n.tolist(), strict=True))
     try:
         curves = [c for c in (run_curve(d, n, min_step) for d, n in runs.items()) if c is not None]
     except FileNotFoundError as e:
@@ -190,11 +187,10 @@ def rung_curve(rung: Recipe, law: CurveLaw) -> CurvePrediction:
     per_step = train.global_batch(rung.parallel.world_size) * train.seq_len
     evals = [*range(every, steps, every), steps]
     curve = law.curve(n, Schedule.of(optim, steps, per_step), evals)
+    longer = min(0.5, 2 * optim.decay_fraction)
     variants = {
         "constant": optim.model_copy(update={"schedule": "constant"}),
-        f"wsd, {min(0.5, 2 * optim.decay_fraction):.0%} decay": optim.model_copy(
-            update={"schedule": "wsd", "decay_fraction": min(0.5, 2 * optim.decay_fraction)}
-        ),
+        f"wsd, {longer:.0%} decay": optim.model_copy(update={"schedule": "wsd", "decay_fraction": longer}),
         "cosine": optim.model_copy(update={"schedule": "cosine"}),
     }
     return CurvePrediction(
@@ -238,8 +234,8 @@ def _check(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedMo
     checked = fit.model_copy(
         update={"rung": fit.rung.check(model.final_val_loss, task[-1] if task else None, curve)}
     )
-    curves = sweep_curves(sweep.results, recipe.sweep.min_steps)
-    write_fit_plots(checked, sweep_points(sweep.results), out, curves)
+    points = sweep_points(sweep.results)
+    write_fit_plots(checked, points, out, sweep_curves(points, recipe.sweep.min_steps))
     checked.save(out)
     rung = checked.rung
     metrics = {

@@ -377,9 +377,7 @@ class SweepConfig(BaseModel):
     depths: list[PositiveInt] = Field(default_factory=list)  # model.depth values (size dial, recipe's aspect)
     sizes: list[SweepSize] = Field(default_factory=list)  # explicit (depth, width) sizes, after `depths`
     lrs: list[PositiveFloat] = Field(default_factory=list)  # empty: the recipe's optim.lr
-    seeds: list[NonNegativeInt] = Field(
-        default_factory=list
-    )  # replicas per size (train.seed); empty: the recipe's
+    seeds: list[NonNegativeInt] = Field(default_factory=list)  # replicas (train.seed); empty: the recipe's
     multi_horizon: bool = False
     batch_exponent: float = Field(0.0, ge=0.0, le=1.0)  # 0: the recipe's global batch for every run
     reference_tokens: PositiveFloat | None = None  # the D at which the recipe's global batch applies
