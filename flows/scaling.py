@@ -289,7 +289,7 @@ def size_for_budget(
     sized = recipe.override(
         {
             "model": model.model_dump(mode="json"),
-            **shape.overrides(),
+            **shape.overrides(recipe.optim.lr),
             "train.max_steps": steps,
             "train.eval_every": -(-steps // recipe.sweep.curve_points),  # the curve the law predicted
             "train.checkpoint_every": every,

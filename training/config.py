@@ -365,7 +365,8 @@ class SweepConfig(BaseModel):
     non_embedding` leaves out the embedding and the head), so C matches the 6·N·D FLOPs the run performs. With
     `multi_horizon` each size is one WSD run to the largest budget that also decays a branch at every smaller
     budget's token count, so one run gives one point per budget. The global batch can grow with the run's tokens
-    (B ∝ D^batch_exponent, rounded to a power of two) and warmup is a share of the shortest horizon. An optional
+    (B ∝ D^batch_exponent, rounded to a power of two), the learning rate with it (lr ∝ B^lr_batch_exponent, the
+    grid's rates being those at the recipe's batch) and warmup is a share of the shortest horizon. An optional
     learning-rate grid multiplies the trials; `scheduler: asha` stops poor rates early (kept out of the fits).
     `seeds` replicates every run with other initialisations and data orders: on the demo sweep a run's offset from
     the law did not carry over to another seed, so replicas are what narrows the law's intervals.
@@ -380,6 +381,9 @@ class SweepConfig(BaseModel):
     seeds: list[NonNegativeInt] = Field(default_factory=list)  # replicas (train.seed); empty: the recipe's
     multi_horizon: bool = False
     batch_exponent: float = Field(0.0, ge=0.0, le=1.0)  # 0: the recipe's global batch for every run
+    # the learning rate follows the batch, lr ∝ batch^lr_batch_exponent (1: linear, Goyal et al. 2017; 0.5: Adam's
+    # square-root rule, Malladi et al. 2022); 0: the same rate at every batch
+    lr_batch_exponent: float = Field(0.0, ge=0.0, le=1.0)
     reference_tokens: PositiveFloat | None = None  # the D at which the recipe's global batch applies
     warmup_fraction: float | None = Field(None, gt=0.0, lt=0.5)  # None: recipe's warmup, at most steps/10
     param_count: Literal["matmul", "non_embedding"] = "matmul"

@@ -24,14 +24,17 @@ class RunShape(BaseModel):
     warmup: int
     tokens_per_step: int
     eval_batches: int  # so that every run is validated on the same sequences, whatever its micro-batch
+    lr_scale: float = 1.0  # the learning rate at this batch over the rate at the recipe's batch
 
-    def overrides(self) -> dict[str, Any]:
-        """The training settings this shape fixes (the horizons and evaluation cadence are the caller's)."""
+    def overrides(self, lr: float) -> dict[str, Any]:
+        """The training settings this shape fixes, `lr` being the rate at the recipe's batch (the horizons and
+        evaluation cadence are the caller's)."""
         return {
             "train.global_batch_size": self.batch,
             "train.micro_batch_size": self.micro_batch,
             "train.eval_batches": self.eval_batches,
             "optim.warmup_steps": self.warmup,
+            "optim.lr": lr * self.lr_scale,
         }
 
 
@@ -62,11 +65,12 @@ def count_n(model: ModelConfig, convention: str) -> int:
 
 
 def run_shape(base: PretrainSpec, sweep: SweepConfig, n: int, budgets: list[float]) -> RunShape:
-    """The global batch (∝ D^batch_exponent at the largest budget, a power of two), each budget's step count,
-    the warmup (a share of the shortest horizon, or the recipe's warmup capped at a tenth of it) and the
-    evaluation batches that cover the recipe's validation sequences."""
+    """The global batch (∝ D^batch_exponent at the largest budget, a power of two) and the learning rate's scale
+    with it (∝ batch^lr_batch_exponent), each budget's step count, the warmup (a share of the shortest horizon, or
+    the recipe's warmup capped at a tenth of it) and the evaluation batches that cover the recipe's validation
+    sequences."""
     train, world = base.train, base.parallel.world_size
-    batch = train.global_batch(world)
+    batch = reference = train.global_batch(world)
     if sweep.batch_exponent and sweep.reference_tokens:
         raw = batch * (max(budgets) / (6.0 * n) / sweep.reference_tokens) ** sweep.batch_exponent
         batch = max(1, 2 ** round(math.log2(raw)))
@@ -85,4 +89,5 @@ def run_shape(base: PretrainSpec, sweep: SweepConfig, n: int, budgets: list[floa
         warmup=warmup,
         tokens_per_step=tokens_per_step,
         eval_batches=math.ceil(train.eval_batches * train.micro_batch_size / micro),
+        lr_scale=(batch / reference) ** sweep.lr_batch_exponent,
     )

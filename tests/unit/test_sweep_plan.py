@@ -65,6 +65,25 @@ def test_rung_is_sized_by_the_sweeps_rules():
     assert "outside the swept sizes" in outside
 
 
+def test_the_learning_rate_follows_the_batch_in_trials_and_rung():
+    """lr ∝ batch^lr_batch_exponent from the grid's rate at the recipe's batch, the same rule for the rung."""
+    recipe = demo("sweep.lr_batch_exponent=0.5", "sweep.lrs=[0.004,0.008]")
+    spec = recipe.sweep_spec()
+    plans, _ = plan_trials(spec)
+    reference = recipe.train.global_batch_size
+    assert {p.batch for p in plans} > {reference}  # the demo's batches straddle the recipe's
+    for plan in plans:
+        trained = trial_spec(spec, plan, None)
+        assert trained.optim.lr == pytest.approx(plan.lr * (plan.batch / reference) ** 0.5, rel=1e-12)
+        assert trained.train.global_batch_size == plan.batch
+    rung, _ = size_for_budget(recipe, 1.5e5, 2.0e11)  # a large model on few tokens: a small batch
+    assert rung.train.global_batch_size < reference
+    assert rung.optim.lr == pytest.approx(recipe.optim.lr * (rung.train.global_batch_size / reference) ** 0.5)
+    # without the rule (the default) every batch trains at the grid's rate
+    flat = demo("sweep.lr_batch_exponent=0").sweep_spec()
+    assert all(trial_spec(flat, p, None).optim.lr == p.lr for p in plan_trials(flat)[0])
+
+
 def results_table(tmp_path, statuses, losses):
     rows = [
         {

@@ -165,12 +165,11 @@ def trial_spec(spec: SweepSpec, plan: TrialPlan, parent_run_id: str | None) -> P
         "name": f"{spec.name}-sweep-{plan.name}",
         "output_dir": spec.output_dir if is_remote(spec.output_dir) else str(Path(spec.output_dir).resolve()),
         "model": plan.model,
-        **plan.shape.overrides(),
+        **plan.shape.overrides(plan.lr),
         "train.max_steps": plan.steps[-1],
         "train.horizons": plan.steps[:-1],
         "train.eval_every": -(-plan.steps[-1] // spec.sweep.curve_points),  # the validation curve
         "train.checkpoint_every": plan.steps[-1],
-        "optim.lr": plan.lr,
         "train.seed": plan.seed,
         "probe": spec.sweep.probe,
         "tracking.parent_run_id": parent_run_id,
