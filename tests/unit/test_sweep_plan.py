@@ -175,7 +175,7 @@ def test_rung_sizes_keep_whole_kv_groups():
 def test_seed_replicas_are_runs_of_their_own(tmp_path):
     """`sweep.seeds` replicates every run under another train.seed; each replica's points stay in the fit as a run
     of its own (the best learning rate is chosen per seed, never the luckier seed's loss per point)."""
-    recipe = demo("sweep.seeds=[0, 1]", "sweep.lrs=[0.004, 0.008]")
+    recipe = demo("sweep.seeds=[0, 1]", "sweep.lrs=[0.004, 0.008]", "sweep.lr_batch_exponent=0")
     plans, _ = plan_trials(recipe.sweep_spec())
     single, _ = plan_trials(demo().sweep_spec())
     assert len(plans) == 4 * len(single) and len({p.name for p in plans}) == len(plans)
