@@ -42,13 +42,17 @@ class ComputeOptimal(BaseModel):
 
 class CurvePrediction(BaseModel):
     """The rung's validation curve as the loss-curve law predicts it before the run (at the steps the run will
-    evaluate), the law's end point under other schedules (same N and D), and once trained the measured curve."""
+    evaluate; its end pinned to the point law's prediction), the end point under other schedules (same N and D),
+    and once trained the measured curve."""
 
     steps: list[int]
     tokens: list[float]
     loss: list[float]
     schedules: dict[str, float]  # the loss at the run's end under other schedules: what it would have reached
     band: float | None = None  # relative: 95% of a held-out sweep run's points were this close to the law
+    curve_law_end: float | None = (
+        None  # the curve law's own end point (the curve is pinned to the point law's)
+    )
     measured: list[float | None] | None = None
     max_rel_error: float | None = None
 
@@ -486,6 +490,8 @@ def rung_lines(rung: Prediction | None) -> list[str]:
             line += f" (95% of held-out sweep runs' points within ±{curve.band:.1%} of the law)"
         if curve.max_rel_error is not None:
             line += f", max error {curve.max_rel_error:.2%} (goal ≤ {CURVE_TOLERANCE:.1%})"
+        if curve.curve_law_end is not None:
+            line += f"; pinned to the point law's end (the curve law alone: {curve.curve_law_end:.4f})"
         others = ", ".join(f"{k} {v:.4f}" for k, v in curve.schedules.items())
-        lines += [line, f"  The law's end point under other schedules: {others}"]
+        lines += [line, f"  The end point under other schedules: {others}"]
     return lines

@@ -7,9 +7,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from evaluation.loss_curve import CurveLaw, Schedule
 from evaluation.scaling_data import ScalingDataError
 from flows.recipe import load_recipe
-from flows.scaling import rung_size, size_for_budget, sweep_points
+from flows.scaling import rung_curve, rung_size, size_for_budget, sweep_points
 from training.sizing import count_n
 from training.stages.sweep import plan_trials, trial_spec
 
@@ -63,6 +64,26 @@ def test_rung_is_sized_by_the_sweeps_rules():
     assert "extrapolation" not in note
     _, outside = size_for_budget(recipe, 1.0e6, 1.2e12, (1.2e4, 2.5e5))
     assert "outside the swept sizes" in outside
+
+
+def test_the_rungs_curve_has_the_curve_laws_shape_and_the_point_laws_end():
+    """The predicted curve ends at the point law's loss; each evaluation keeps the curve law's ratio to its end,
+    and so does every other schedule's end point."""
+    rung, _ = size_for_budget(demo(), 8.0e4, 2.4e12)
+    law = CurveLaw(E=1.9, A=1900.0, B=0.88, alpha=0.79, beta=0.48, D=0.22, C=0.11)
+    n, _ = rung_size(rung)
+    steps, per_step = rung.train.max_steps, rung.train.global_batch_size * rung.train.seq_len
+    curve = rung_curve(rung, law, end=2.33)
+    assert curve.steps[-1] == steps and len(curve.steps) == rung.sweep.curve_points
+    own = law.curve(n, Schedule.of(rung.optim, steps, per_step), curve.steps)
+    assert curve.curve_law_end == pytest.approx(own[-1]) and curve.loss[-1] == pytest.approx(2.33)
+    assert curve.loss == pytest.approx(list(own * 2.33 / own[-1]), rel=1e-9)
+    constant = law.curve(
+        n, Schedule.of(rung.optim.model_copy(update={"schedule": "constant"}), steps, per_step), [steps]
+    )
+    assert curve.schedules["as planned"] == 2.33
+    assert curve.schedules["constant"] == pytest.approx(constant[0] * 2.33 / own[-1])
+    assert curve.schedules["constant"] > 2.33  # no decay: no annealing gain
 
 
 def test_the_learning_rate_follows_the_batch_in_trials_and_rung():
