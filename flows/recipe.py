@@ -290,11 +290,31 @@ def validate_recipe(data: dict[str, Any]) -> Recipe:
 def load_recipe(recipe: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read a YAML recipe (path or name in configs/), apply `a.b=c` overrides and validate everything once."""
     path = resolve_recipe_path(recipe)
+    data = recipe_data(path)
+    data.setdefault("name", path.stem)
+    return validate_recipe(apply_overrides(renamed_sections(data), overrides or []))
+
+
+def recipe_data(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe file's mapping; with `base: <recipe>` it is merged over that recipe's (mappings key by key, lists
+    and values replaced; the base's name is not inherited)."""
+    if path.resolve() in chain:
+        loop = " -> ".join(p.name for p in (*chain, path.resolve()))
+        raise ConfigError(f"{path}: its bases form a loop ({loop}); remove one `base:`")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML ({error})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a YAML mapping with sections name, model, optim, ...")
-    data.setdefault("name", path.stem)
-    return validate_recipe(apply_overrides(renamed_sections(data), overrides or []))
+    if "base" not in data:
+        return data
+    base = data.pop("base")
+    if not isinstance(base, str):
+        raise ConfigError(
+            f"{path}: base must name one recipe (a file or a name in {CONFIG_DIR}), got {base!r}"
+        )
+    beside = path.parent / base  # a file next to this one, else a path or a name in configs/
+    below = recipe_data(beside if beside.is_file() else resolve_recipe_path(base), (*chain, path.resolve()))
+    below.pop("name", None)
+    return merged(renamed_sections(below), renamed_sections(data))

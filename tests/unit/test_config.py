@@ -264,3 +264,21 @@ def test_an_expert_parallel_checkpoint_without_partitions_is_refused_on_another_
     (tmp_path / "state" / "zero_pp_rank_0_mp_rank_00_model_states.pt").touch()
     with pytest.raises(LayoutError, match="not ZeRO-3"):
         check_layout_change(tmp_path / "state", two, one)
+
+
+def test_a_recipe_extends_its_base_key_by_key(tmp_path: Path) -> None:
+    """`base:` merges mappings key by key, replaces lists and values, keeps the child's own name; a chain works,
+    a loop or a base that is not one recipe's name is refused in one line."""
+    (tmp_path / "wide.yaml").write_text("base: demo\nsweep: {seeds: [0, 1], budgets: [4.0e+11]}\n")
+    (tmp_path / "wider.yaml").write_text("base: wide.yaml\noptim: {lr: 4.0e-3}\n")
+    demo, wider = load_recipe("demo"), load_recipe(tmp_path / "wider.yaml")
+    assert wider.name == "wider" and wider.optim.lr == 4.0e-3 and wider.optim.schedule == demo.optim.schedule
+    assert wider.sweep.seeds == [0, 1] and wider.sweep.budgets == [4.0e11]  # lists replaced
+    assert wider.sweep.sizes == demo.sweep.sizes and wider.model == demo.model  # the rest inherited
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match=r"bases form a loop \(a.yaml -> b.yaml -> a.yaml\)"):
+        load_recipe(tmp_path / "a.yaml")
+    (tmp_path / "two.yaml").write_text("base: [demo, smoke]\n")
+    with pytest.raises(ConfigError, match="base must name one recipe"):
+        load_recipe(tmp_path / "two.yaml")
