@@ -50,9 +50,7 @@ class CurvePrediction(BaseModel):
     loss: list[float]
     schedules: dict[str, float]  # the loss at the run's end under other schedules: what it would have reached
     band: float | None = None  # relative: 95% of a held-out sweep run's points were this close to the law
-    curve_law_end: float | None = (
-        None  # the curve law's own end point (the curve is pinned to the point law's)
-    )
+    curve_law_end: float | None = None  # the curve law's own end point, before the pin
     measured: list[float | None] | None = None
     max_rel_error: float | None = None
 
