@@ -366,7 +366,8 @@ class SweepConfig(BaseModel):
     `multi_horizon` each size is one WSD run to the largest budget that also decays a branch at every smaller
     budget's token count, so one run gives one point per budget. The global batch can grow with the run's tokens
     (B ∝ D^batch_exponent, rounded to a power of two), the learning rate with it (lr ∝ B^lr_batch_exponent, the
-    grid's rates being those at the recipe's batch) and warmup is a share of the shortest horizon. An optional
+    grid's rates being those at the recipe's batch) and warmup is a share of the shortest horizon, with a floor
+    in steps. An optional
     learning-rate grid multiplies the trials; `scheduler: asha` stops poor rates early (kept out of the fits).
     `seeds` replicates every run with other initialisations and data orders: on the demo sweep a run's offset from
     the law did not carry over to another seed, so replicas are what narrows the law's intervals.
@@ -386,6 +387,9 @@ class SweepConfig(BaseModel):
     lr_batch_exponent: float = Field(0.0, ge=0.0, le=1.0)
     reference_tokens: PositiveFloat | None = None  # the D at which the recipe's global batch applies
     warmup_fraction: float | None = Field(None, gt=0.0, lt=0.5)  # None: recipe's warmup, at most steps/10
+    # warmup lasts at least this many steps (at most half the shortest horizon): a share of a short horizon can
+    # be fewer steps than Adam's second moments need (Ma & Yarats 2021: about 2 / (1 − β2))
+    min_warmup_steps: NonNegativeInt = 0
     param_count: Literal["matmul", "non_embedding"] = "matmul"
     max_epochs: PositiveFloat = 4.0  # a run repeating its data more often is flagged (data-constrained)
     min_steps: PositiveInt = 10  # horizons with fewer optimizer steps are left out

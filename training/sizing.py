@@ -67,8 +67,8 @@ def count_n(model: ModelConfig, convention: str) -> int:
 def run_shape(base: PretrainSpec, sweep: SweepConfig, n: int, budgets: list[float]) -> RunShape:
     """The global batch (∝ D^batch_exponent at the largest budget, a power of two) and the learning rate's scale
     with it (∝ batch^lr_batch_exponent), each budget's step count, the warmup (a share of the shortest horizon, or
-    the recipe's warmup capped at a tenth of it) and the evaluation batches that cover the recipe's validation
-    sequences."""
+    the recipe's warmup capped at a tenth of it; at least `min_warmup_steps`, at most half that horizon) and the
+    evaluation batches that cover the recipe's validation sequences."""
     train, world = base.train, base.parallel.world_size
     batch = reference = train.global_batch(world)
     if sweep.batch_exponent and sweep.reference_tokens:
@@ -82,6 +82,7 @@ def run_shape(base: PretrainSpec, sweep: SweepConfig, n: int, budgets: list[floa
         warmup = max(1, round(sweep.warmup_fraction * min(steps)))
     else:
         warmup = min(base.optim.warmup_steps, max(1, min(steps) // 10))
+    warmup = max(warmup, min(sweep.min_warmup_steps, min(steps) // 2))
     return RunShape(
         batch=batch,
         micro_batch=micro,
