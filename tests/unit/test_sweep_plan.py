@@ -28,9 +28,8 @@ def test_demo_sweep_brackets_a_decade_with_one_run_per_size():
     for plan in plans:
         assert plan.budgets == sorted(recipe.sweep.budgets)  # one point per budget
         assert plan.steps == sorted(plan.steps) and plan.steps[0] >= recipe.sweep.min_steps == 100
-        assert plan.shape.warmup == max(
-            round(0.1 * plan.steps[0]), 60
-        )  # a tenth of the shortest, at least 60
+        tenth = round(0.1 * plan.steps[0])  # of the shortest horizon, but at least 60 steps
+        assert plan.shape.warmup == max(tenth, 60)
         assert plan.batch & (plan.batch - 1) == 0  # a power of two
         for budget, steps in zip(plan.budgets, plan.steps, strict=True):
             assert 6 * plan.n_active * steps * plan.tokens_per_step == pytest.approx(budget, rel=0.05)
