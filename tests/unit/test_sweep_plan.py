@@ -28,8 +28,7 @@ def test_demo_sweep_brackets_a_decade_with_one_run_per_size():
     for plan in plans:
         assert plan.budgets == sorted(recipe.sweep.budgets)  # one point per budget
         assert plan.steps == sorted(plan.steps) and plan.steps[0] >= recipe.sweep.min_steps == 100
-        tenth = round(0.1 * plan.steps[0])  # of the shortest horizon, but at least 60 steps
-        assert plan.shape.warmup == max(tenth, 60)
+        assert plan.shape.warmup == round(0.1 * plan.steps[0])
         assert plan.batch & (plan.batch - 1) == 0  # a power of two
         for budget, steps in zip(plan.budgets, plan.steps, strict=True):
             assert 6 * plan.n_active * steps * plan.tokens_per_step == pytest.approx(budget, rel=0.05)
@@ -90,7 +89,7 @@ def test_the_rungs_curve_has_the_curve_laws_shape_and_the_point_laws_end():
 def test_warmup_has_a_floor_in_steps_up_to_half_the_shortest_horizon():
     """A tenth of a short horizon is too few steps for the larger models; the floor lifts it, never past half of
     the shortest horizon, and leaves longer warmups (and the rung's) alone."""
-    floors = {0: demo("sweep.min_warmup_steps=0"), 60: demo(), 90: demo("sweep.min_warmup_steps=90")}
+    floors = {k: demo(f"sweep.min_warmup_steps={k}") for k in (0, 60, 90)}
     plans = {k: plan_trials(r.sweep_spec())[0] for k, r in floors.items()}
     for bare, sixty, ninety in zip(plans[0], plans[60], plans[90], strict=True):
         shortest = bare.steps[0]
@@ -99,8 +98,9 @@ def test_warmup_has_a_floor_in_steps_up_to_half_the_shortest_horizon():
         assert ninety.shape.warmup == max(bare.shape.warmup, min(90, shortest // 2))
     assert min(p.steps[0] for p in plans[0]) // 2 < 90  # the cap is exercised
     assert any(p.shape.warmup < 60 for p in plans[0])  # and the floor
-    rung, _ = size_for_budget(demo(), 8.0e4, 2.4e12)
+    rung, _ = size_for_budget(floors[60], 8.0e4, 2.4e12)
     assert rung.optim.warmup_steps == round(0.1 * rung.train.max_steps) > 60
+    assert load_recipe("ladder").sweep.min_warmup_steps == 60
 
 
 def test_the_learning_rate_follows_the_batch_in_trials_and_rung():
