@@ -20,7 +20,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from evaluation.chinchilla_fit import Law, grid_starts
+from evaluation.chinchilla_fit import Law
 from evaluation.isoflop import fit_parabolas
 from evaluation.law_noise import NoiseModel, calibrated_fit
 from evaluation.synthetic_ladder import Design, run_trial, simulate
@@ -46,12 +46,9 @@ def design_of(recipe_name: str, overrides: list[str]) -> tuple[Design, float]:
 
 
 def _chunk(args: tuple) -> list[dict]:
-    truth, design, noise, budget, method, seed, count, resamples, stride = args
+    truth, design, noise, budget, method, seed, count, resamples = args
     rng = np.random.default_rng(seed)
-    starts = grid_starts()[::stride]
-    return [
-        asdict(run_trial(truth, design, noise, budget, method, rng, resamples, starts)) for _ in range(count)
-    ]
+    return [asdict(run_trial(truth, design, noise, budget, method, rng, resamples)) for _ in range(count)]
 
 
 def main() -> None:
@@ -64,9 +61,6 @@ def main() -> None:
     parser.add_argument("--sweeps", type=int, default=200)
     parser.add_argument("--resamples", type=int, default=500)
     parser.add_argument("--methods", nargs="+", default=["noise", "runs", "points"])
-    parser.add_argument(
-        "--start-stride", type=int, default=7, help="every k-th start of the 4,500-point grid"
-    )
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     t0 = time.perf_counter()
@@ -91,7 +85,6 @@ def main() -> None:
                     1000 * w + 1,
                     per_worker,
                     args.resamples,
-                    args.start_stride,
                 )
                 for w in range(args.workers)
             ]

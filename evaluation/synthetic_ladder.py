@@ -58,13 +58,12 @@ def run_trial(
     method: IntervalMethod,
     rng: np.random.Generator,
     n_resamples: int = 1000,
-    starts: np.ndarray | None = None,
 ) -> Trial:
     """Simulate one sweep, fit it as lmforge does (`calibrated_fit`), and check α, β, N*(budget) and the rung's
     loss at the fitted optimum (the law's, for the confidence interval; a new run's, for the prediction
     interval) against the truth."""
     points = simulate(truth, design, noise, rng)
-    fitted = calibrated_fit(points, starts, n_resamples, method, seed=int(rng.integers(2**31)))
+    fitted = calibrated_fit(points, None, n_resamples, method, seed=int(rng.integers(2**31)))
     law, boot = fitted.fit.law, fitted.boot
     est = boot.samples
     n_true = float(truth.optimal_n(budget))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evaluation.chinchilla_fit import HOFFMANN, Law, bootstrap, fit_law, grid_starts
+from evaluation.chinchilla_fit import HOFFMANN, Law, bootstrap, fit_law
 from evaluation.isoflop import fit_parabolas
 from evaluation.scaling_data import ScalingPoints
 
@@ -36,7 +36,7 @@ def test_approach2_recovers_the_analytic_optimum_per_budget() -> None:
 
 
 def test_approach3_recovers_the_surface() -> None:
-    fit = fit_law(hoffmann_grid(), starts=grid_starts()[::7])
+    fit = fit_law(hoffmann_grid())
     for name, value in HOFFMANN.items():
         assert fit.law.as_dict()[name] == pytest.approx(value, rel=1e-3), name
 
@@ -45,7 +45,7 @@ def test_approach3_intervals_cover_the_surface_under_noise() -> None:
     """With 1% lognormal noise on every loss, the 95% bootstrap intervals of α, β and N*(10x the largest
     budget) contain the published values."""
     points = hoffmann_grid(noise=0.01, seed=4)
-    fit = fit_law(points, starts=grid_starts()[::7])
+    fit = fit_law(points)
     boot = bootstrap(points, fit.law, n_resamples=400)
     for name in ("alpha", "beta"):
         lo, hi = boot.interval(name)

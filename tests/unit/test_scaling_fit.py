@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pytest
 
-from evaluation.chinchilla_fit import Law, batched_lbfgs, batched_objective, bootstrap, fit_law, grid_starts
+from evaluation.chinchilla_fit import Law, batched_lbfgs, batched_objective, bootstrap, fit_law, projected_starts
 from evaluation.isoflop import fit_parabolas
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points, points_from_table
 from evaluation.scaling_report import (
@@ -23,7 +23,6 @@ from evaluation.scaling_report import (
 )
 
 TRUE = Law(E=1.7, A=400.0, B=1500.0, alpha=0.34, beta=0.30)
-COARSE = grid_starts()[::7]  # 643 starts: enough for these tests, a few times faster than the full grid
 
 
 def isoflop_points(law: Law, budgets=(1e18, 1e19, 1e20, 1e21), sizes=8, noise=0.005, seed=0) -> ScalingPoints:
@@ -37,7 +36,7 @@ def isoflop_points(law: Law, budgets=(1e18, 1e19, 1e20, 1e21), sizes=8, noise=0.
 
 
 def test_recovers_known_law_from_noisy_points():
-    fit = fit_law(isoflop_points(TRUE), starts=COARSE)
+    fit = fit_law(isoflop_points(TRUE))
     got = fit.law
     assert got.alpha == pytest.approx(TRUE.alpha, abs=0.03)
     assert got.beta == pytest.approx(TRUE.beta, abs=0.03)
@@ -48,9 +47,20 @@ def test_recovers_known_law_from_noisy_points():
 
 
 def test_noiseless_points_are_fitted_exactly():
-    fit = fit_law(isoflop_points(TRUE, noise=0.0), starts=COARSE)
+    fit = fit_law(isoflop_points(TRUE, noise=0.0))
     for k, v in TRUE.as_dict().items():
         assert fit.law.as_dict()[k] == pytest.approx(v, rel=1e-3), k
+
+
+def test_variable_projection_solves_e_a_b_exactly_at_the_true_exponents():
+    """With (α, β) on its grid, the best cell is the truth and its NNLS coefficients are E, A, B; off the grid the
+    starts still lead the fit to the law."""
+    points = isoflop_points(TRUE, noise=0.0)
+    best = projected_starts(points, keep=3, exponents=np.array([0.2, 0.30, 0.34, 0.5]))[0]
+    assert best == pytest.approx(TRUE.theta(), rel=1e-6)
+    starts = projected_starts(points)
+    assert len(starts) == 32 and np.all(np.isfinite(starts))
+    assert Law.from_theta(starts[0]).alpha == pytest.approx(TRUE.alpha, abs=0.02)
 
 
 def test_optimal_n_minimises_the_law_along_an_isoflop_curve():
@@ -90,7 +100,7 @@ def test_batched_lbfgs_solves_independent_quadratics():
 
 def test_bootstrap_intervals_cover_the_truth():
     pts = isoflop_points(TRUE, noise=0.01, seed=3)
-    fit = fit_law(pts, starts=COARSE)
+    fit = fit_law(pts)
     boot = bootstrap(pts, fit.law, n_resamples=300)
     for name in ("alpha", "beta", "E"):
         lo, hi = boot.interval(name)
@@ -111,7 +121,7 @@ def test_run_fit_scaling_writes_fit_json_and_plots(tmp_path):
     table = pa.table({"N": pts.n, "D": pts.d, "loss": pts.loss})
     csv = tmp_path / "runs.csv"
     pacsv.write_csv(table, csv)
-    fit = run_fit_scaling(csv, tmp_path / "fit", target_budget=1e22, n_bootstrap=200, starts=COARSE)
+    fit = run_fit_scaling(csv, tmp_path / "fit", target_budget=1e22, n_bootstrap=200)
     saved = json.loads((tmp_path / "fit" / "fit.json").read_text())
     assert saved["law"]["alpha"] == pytest.approx(fit.law["alpha"])
     assert saved["optimal"]["budget"] == 1e22
@@ -160,7 +170,7 @@ def _table(**cols) -> pa.Table:
 def test_fewer_points_than_parameters_is_refused():
     pts = points_from_table(_table(N=[1e8, 2e8, 4e8, 8e8], D=[1e9, 2e9, 1e9, 3e9], loss=[3.0, 2.9, 2.8, 2.7]))
     with pytest.raises(ScalingDataError, match=r"4 usable runs; a fit of 5 parameters needs at least 6"):
-        fit_law(pts, starts=COARSE)
+        fit_law(pts)
 
 
 @pytest.mark.parametrize("column", ["N", "D"])
@@ -169,7 +179,7 @@ def test_degenerate_design_is_named(column):
     d = np.full(8, 1e10) if column == "D" else np.geomspace(1e9, 1e11, 8)
     pts = points_from_table(_table(N=n, D=d, loss=np.linspace(3, 2.5, 8)))
     with pytest.raises(ScalingDataError, match="degenerate design"):
-        fit_law(pts, starts=COARSE)
+        fit_law(pts)
 
 
 def test_non_finite_and_non_positive_losses_are_dropped_with_a_count(tmp_path):
@@ -180,7 +190,7 @@ def test_non_finite_and_non_positive_losses_are_dropped_with_a_count(tmp_path):
     pacsv.write_csv(_table(N=pts.n, D=pts.d, loss=loss), table)
     got = load_points(table)
     assert got.dropped == 3 and len(got) == len(pts) - 3
-    fit = fit_law(got, starts=COARSE)
+    fit = fit_law(got)
     assert fit.n_points == len(pts) - 3
 
 
@@ -191,7 +201,7 @@ def test_too_few_left_after_dropping_is_refused():
         )
     )
     with pytest.raises(ScalingDataError, match=r"4 usable runs \(3 dropped"):
-        fit_law(pts, starts=COARSE)
+        fit_law(pts)
 
 
 def test_budget_with_fewer_than_three_sizes_is_skipped_with_a_reason():
@@ -226,7 +236,7 @@ def test_flops_column_derives_tokens():
 def test_a_non_positive_budget_is_refused_before_anything_is_written(tmp_path, budget):
     pts = isoflop_points(TRUE)
     with pytest.raises(ScalingDataError, match="positive compute budget"):
-        run_fit_scaling(pts, tmp_path / "fit", target_budget=budget, n_bootstrap=50, starts=COARSE)
+        run_fit_scaling(pts, tmp_path / "fit", target_budget=budget, n_bootstrap=50)
     assert not (tmp_path / "fit").exists()
 
 
