@@ -23,7 +23,9 @@ SHARED = Path(os.environ.get("LMFORGE_SHARED", Path(__file__).resolve().parents[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--table", default=str(SHARED / "anchors/chinchilla/svg_extracted_data.csv"))
     parser.add_argument("--drop-highest", type=int, default=5, help="Epoch's cut of the Chinchilla table")
     args = parser.parse_args()

@@ -193,7 +193,9 @@ def grid_starts() -> np.ndarray:
     return np.array(list(itertools.product(*(GRID[k] for k in PARAM_ORDER))))
 
 
-def projected_starts(points: ScalingPoints, keep: int = 32, exponents: np.ndarray = EXPONENT_GRID) -> np.ndarray:
+def projected_starts(
+    points: ScalingPoints, keep: int = 32, exponents: np.ndarray = EXPONENT_GRID
+) -> np.ndarray:
     """Variable Projection: for every (α, β) on the grid, the E, A, B ≥ 0 that minimise the squared relative
     residuals (E + A/N^α + B/D^β − L) / L (the log residuals to first order) by NNLS; the `keep` best cells as
     starts (rows of `PARAM_ORDER`). A coefficient at its bound 0 starts at 1e-9 of the loss scale."""

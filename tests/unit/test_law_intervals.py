@@ -82,8 +82,6 @@ def test_intervals_cover_the_truth_on_simulated_demo_sweeps() -> None:
     least 27 of 30 (expected 28.5; intervals that ignore the shared offsets or take the estimated scatter as
     exact cover 85-89% in the 200-sweep benchmark)."""
     rng = np.random.default_rng(3)
-    trials = [
-        run_trial(TRUTH, DEMO, NoiseModel(0.03, 0.01), 2.4e12, "noise", rng, 300) for _ in range(30)
-    ]
+    trials = [run_trial(TRUTH, DEMO, NoiseModel(0.03, 0.01), 2.4e12, "noise", rng, 300) for _ in range(30)]
     covered = {q: sum(t.covered[q] for t in trials) for q in trials[0].covered}
     assert min(covered.values()) >= 27, covered

@@ -10,7 +10,14 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pytest
 
-from evaluation.chinchilla_fit import Law, batched_lbfgs, batched_objective, bootstrap, fit_law, projected_starts
+from evaluation.chinchilla_fit import (
+    Law,
+    batched_lbfgs,
+    batched_objective,
+    bootstrap,
+    fit_law,
+    projected_starts,
+)
 from evaluation.isoflop import fit_parabolas
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points, points_from_table
 from evaluation.scaling_report import (
