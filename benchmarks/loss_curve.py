@@ -29,19 +29,27 @@ def main() -> None:
     parser.add_argument("--min-step", type=int, default=100, help="the recipe's sweep.min_steps")
     args = parser.parse_args()
     out = Path(args.outputs)
+    # the newest rung's fit.json names the sweep it was fitted on; without a rung, the newest sweep
+    checked = sorted(out.glob(f"rung/{args.recipe}-*/fit.json"), key=lambda p: p.stat().st_mtime)
+    rung_fit = json.loads(checked[-1].read_text()) if checked else {}
     sweeps = sorted(out.glob(f"sweep/{args.recipe}-*/results.parquet"), key=lambda p: p.stat().st_mtime)
-    if not sweeps:
+    source = Path(rung_fit["source"]) if rung_fit.get("source") else (sweeps[-1] if sweeps else None)
+    if source is None or not source.is_file():
         sys.exit(
             f"no {args.recipe} sweep under {out}/sweep: run `make demo` (or the recipe's pipeline) first"
         )
-    points = sweep_curves(sweep_points(sweeps[-1]), args.min_step)
+    points = sweep_curves(sweep_points(source), args.min_step)
     if points is None:
-        sys.exit(f"{sweeps[-1]}: its runs' directories are not on this machine")
+        sys.exit(f"{source}: its runs' directories are not on this machine")
     fit = fit_curve_law(points)
-    record: dict = {"benchmark": "loss_curve", "points": len(points), "runs": len(points.runs)}
+    record: dict = {
+        "benchmark": "loss_curve",
+        "sweep": str(source),
+        "points": len(points),
+        "runs": len(points.runs),
+    }
     record |= {k: v for k, v in fit.summary().items() if k != "law"}
-    checked = sorted(out.glob(f"rung/{args.recipe}-*/fit.json"), key=lambda p: p.stat().st_mtime)
-    curve = json.loads(checked[-1].read_text())["rung"].get("curve") if checked else None
+    curve = rung_fit.get("rung", {}).get("curve")
     if curve and curve.get("measured"):
         record |= {
             "rung_curve_errors": [
