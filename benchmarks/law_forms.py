@@ -1,0 +1,101 @@
+"""Which law form extrapolates: Chinchilla's L = E + A/N^α + B/D^β (lmforge's fit) against Kaplan et al.'s
+L = E + ((N_c/N)^(α_N/α_D) + D_c/D)^α_D, each fitted to a sweep's points and scored where the sweep has no data:
+the largest budget predicted from the others (bias and mean error), and every trained rung under the outputs
+(the measured loss of each `rung/*/fit.json`, whichever sweep it was sized from: a rung is a point any law of the
+same data can be asked about). One JSON line per sweep.
+
+    .venv/bin/python benchmarks/law_forms.py [outputs ...]
+
+Kaplan's form is fitted as Chinchilla's is, in log loss with a robust loss (soft-L1 at 2%, from 60 starts); it is
+an analysis here, not a second law of the product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import least_squares
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from evaluation.law_noise import calibrated_fit  # noqa: E402
+from evaluation.scaling_data import ScalingPoints  # noqa: E402
+from flows.scaling import sweep_points  # noqa: E402
+
+
+def kaplan_log_loss(theta: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """log L for θ = (log N_c, log D_c, α_N, α_D, log E)."""
+    log_nc, log_dc, alpha_n, alpha_d, log_e = theta
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        inner = np.exp(alpha_n / alpha_d * (log_nc - np.log(n))) + np.exp(log_dc - np.log(d))
+        return np.log(np.exp(log_e) + inner**alpha_d)
+
+
+def fit_kaplan(points: ScalingPoints, starts: int = 60, seed: int = 0):
+    """The lowest soft-L1 fit of Kaplan's form from `starts` perturbed starts; a predictor of loss at (N, D)."""
+    rng = np.random.default_rng(seed)
+    y, base = np.log(points.loss), np.array([np.log(1e4), np.log(1e6), 0.7, 0.5, 0.5])
+    best = None
+    for i in range(starts):
+        theta0 = base + (rng.normal(0.0, 0.5, base.size) if i else 0.0)
+        with np.errstate(all="ignore"):
+            sol = least_squares(
+                lambda t: kaplan_log_loss(t, points.n, points.d) - y,
+                theta0,
+                loss="soft_l1",
+                f_scale=0.02,
+                max_nfev=20000,
+            )
+        if np.all(np.isfinite(sol.fun)) and (best is None or sol.cost < best.cost):
+            best = sol
+    return lambda n, d: np.exp(kaplan_log_loss(best.x, np.asarray(n, float), np.asarray(d, float)))
+
+
+FORMS = {
+    "chinchilla": lambda points: calibrated_fit(points, n_resamples=10).fit.law.loss,  # as `lmforge fit`
+    "kaplan": fit_kaplan,
+}
+
+
+def scores(points: ScalingPoints, rungs: list[dict]) -> dict:
+    labels = points.budgets()
+    held = labels == labels.max()
+    train, test = points.subset(~held), points.subset(held)
+    out = {}
+    for name, fit in FORMS.items():
+        err = 100 * (fit(train)(test.n, test.d) / test.loss - 1)
+        full = fit(points)
+        out[name] = {
+            "heldout_bias_pct": round(float(err.mean()), 2),
+            "heldout_mean_abs_pct": round(float(np.abs(err).mean()), 2),
+            "rung_errors_pct": [
+                round(float(100 * (full(r["n"], r["d"]) / r["measured"] - 1)), 2) for r in rungs
+            ],
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outputs", nargs="*", default=["outputs"])
+    args = parser.parse_args()
+    for out in map(Path, args.outputs):
+        rungs = []
+        for path in sorted(out.glob("rung/*/fit.json")):
+            rung = json.loads(path.read_text()).get("rung", {})
+            measured = {"n": rung.get("n"), "d": rung.get("d"), "measured": rung.get("measured_loss")}
+            if measured["measured"] is not None and measured not in rungs:  # a rung retrained: once
+                rungs.append(measured)
+        for table in sorted(out.glob("sweep/*/results.parquet")):
+            record = {"benchmark": "law_forms", "sweep": str(table), "rungs": rungs}
+            print(json.dumps(record | scores(sweep_points(table), rungs)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
