@@ -6,8 +6,8 @@ same data can be asked about). One JSON line per sweep.
 
     .venv/bin/python benchmarks/law_forms.py [outputs ...]
 
-Kaplan's form is fitted as Chinchilla's is, in log loss with a robust loss (soft-L1 at 2%, from 60 starts); it is
-an analysis here, not a second law of the product.
+Both fits are the product's: `lmforge fit`'s calibrated Chinchilla fit and `evaluation/kaplan_fit.py` (whose
+prediction for the rung fit.json carries as `rung.second_form`).
 """
 
 from __future__ import annotations
@@ -19,47 +19,18 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import least_squares
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from evaluation.kaplan_fit import fit_kaplan  # noqa: E402
 from evaluation.law_noise import calibrated_fit  # noqa: E402
 from evaluation.scaling_data import ScalingPoints  # noqa: E402
 from flows.scaling import sweep_points  # noqa: E402
 
-
-def kaplan_log_loss(theta: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """log L for θ = (log N_c, log D_c, α_N, α_D, log E)."""
-    log_nc, log_dc, alpha_n, alpha_d, log_e = theta
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        inner = np.exp(alpha_n / alpha_d * (log_nc - np.log(n))) + np.exp(log_dc - np.log(d))
-        return np.log(np.exp(log_e) + inner**alpha_d)
-
-
-def fit_kaplan(points: ScalingPoints, starts: int = 60, seed: int = 0):
-    """The lowest soft-L1 fit of Kaplan's form from `starts` perturbed starts; a predictor of loss at (N, D)."""
-    rng = np.random.default_rng(seed)
-    y, base = np.log(points.loss), np.array([np.log(1e4), np.log(1e6), 0.7, 0.5, 0.5])
-    best = None
-    for i in range(starts):
-        theta0 = base + (rng.normal(0.0, 0.5, base.size) if i else 0.0)
-        with np.errstate(all="ignore"):
-            sol = least_squares(
-                lambda t: kaplan_log_loss(t, points.n, points.d) - y,
-                theta0,
-                loss="soft_l1",
-                f_scale=0.02,
-                max_nfev=20000,
-            )
-        if np.all(np.isfinite(sol.fun)) and (best is None or sol.cost < best.cost):
-            best = sol
-    return lambda n, d: np.exp(kaplan_log_loss(best.x, np.asarray(n, float), np.asarray(d, float)))
-
-
 FORMS = {
     "chinchilla": lambda points: calibrated_fit(points, n_resamples=10).fit.law.loss,  # as `lmforge fit`
-    "kaplan": fit_kaplan,
+    "kaplan": lambda points: fit_kaplan(points).loss,
 }
 
 

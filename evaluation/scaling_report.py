@@ -60,6 +60,21 @@ class CurvePrediction(BaseModel):
         return self.model_copy(update={"measured": values, "max_rel_error": max(errors) if errors else None})
 
 
+class SecondForm(BaseModel):
+    """The rung predicted by a second law form (`evaluation/kaplan_fit.py`), beside its error and Chinchilla's on
+    the held-out budget (each fitted without it); once trained, its own error. Sizing stays with Chinchilla's."""
+
+    form: str
+    law: dict[str, float]
+    loss: float
+    heldout_mean_rel_error: float | None = None
+    chinchilla_heldout_mean_rel_error: float | None = None
+    rel_error: float | None = None
+
+    def check(self, loss: float) -> SecondForm:
+        return self.model_copy(update={"rel_error": abs(loss - self.loss) / loss})
+
+
 class Prediction(BaseModel):
     """The law's loss at one (N, D), made before the run, with two 95% intervals: where the law's value lies
     (`interval`, the confidence interval) and where one new run's loss lands (`run_interval`, the prediction
@@ -80,6 +95,7 @@ class Prediction(BaseModel):
     inside_interval: bool | None = None
     held: bool | None = None
     curve: CurvePrediction | None = None  # the whole validation curve (the loss-curve law's), when fitted
+    second_form: SecondForm | None = None  # the same rung predicted by Kaplan's form
 
     @property
     def check_interval(self) -> tuple[float, float]:
@@ -105,6 +121,7 @@ class Prediction(BaseModel):
                 "inside_interval": inside,
                 "held": inside and rel <= RUNG_TOLERANCE,
                 "curve": self.curve.check(curve) if self.curve is not None and curve else self.curve,
+                "second_form": self.second_form.check(loss) if self.second_form is not None else None,
             }
         )
 
@@ -218,14 +235,9 @@ def compute_optimal(
     )
 
 
-def holdout_check(
-    points: ScalingPoints, starts: np.ndarray | None, n_bootstrap: int = 500, method: IntervalMethod = "noise"
-) -> dict[str, Any] | None:
-    """Fit on all runs but those of the largest budget(s) and report the relative error predicting them.
-
-    The held-out set is the largest budget, widened to the next budgets down until it holds at least
-    max(3, 5 % of the runs), so a table with scattered budgets (like Chinchilla's) is still tested fairly.
-    """
+def holdout_mask(points: ScalingPoints) -> np.ndarray | None:
+    """The points of the largest budget, widened to the next budgets down until they hold at least max(3, 5% of
+    the points); None with a single budget."""
     labels = points.budgets()
     budgets = np.unique(labels)[::-1]
     if len(budgets) < 2:
@@ -234,7 +246,20 @@ def holdout_check(
     k = 1
     while k < len(budgets) - 1 and (labels >= budgets[k - 1]).sum() < need:
         k += 1
-    held = labels >= budgets[k - 1]
+    return labels >= budgets[k - 1]
+
+
+def holdout_check(
+    points: ScalingPoints, starts: np.ndarray | None, n_bootstrap: int = 500, method: IntervalMethod = "noise"
+) -> dict[str, Any] | None:
+    """Fit on all runs but those of the largest budget(s) and report the relative error predicting them.
+
+    The held-out set is the largest budget, widened to the next budgets down until it holds at least
+    max(3, 5 % of the runs), so a table with scattered budgets (like Chinchilla's) is still tested fairly.
+    """
+    held = holdout_mask(points)
+    if held is None:
+        return None
     train, test = points.subset(~held), points.subset(held)
     try:
         fitted = calibrated_fit(train, starts=starts, n_resamples=n_bootstrap, method=method)
@@ -249,7 +274,7 @@ def holdout_check(
     ]
     lo, hi = np.array(runs).T  # each held-out point is a new run's: its prediction interval
     return {
-        "min_budget": float(budgets[k - 1]),
+        "min_budget": float(points.budgets()[held].min()),
         "n_train": len(train),
         "n_test": len(test),
         "mean_rel_error": float(rel.mean()),
@@ -492,4 +517,15 @@ def rung_lines(rung: Prediction | None) -> list[str]:
             line += f"; pinned to the point law's end (the curve law alone: {curve.curve_law_end:.4f})"
         others = ", ".join(f"{k} {v:.4f}" for k, v in curve.schedules.items())
         lines += [line, f"  The end point under other schedules: {others}"]
+    second = rung.second_form
+    if second is not None:
+        line = f"  {second.form.capitalize()}'s form: predicted {second.loss:.4f}"
+        if second.rel_error is not None:
+            line += f", error {second.rel_error:.2%}"
+        if second.heldout_mean_rel_error is not None and second.chinchilla_heldout_mean_rel_error is not None:
+            line += (
+                f" (on the held-out budget {second.heldout_mean_rel_error:.2%} off on average, "
+                f"Chinchilla's {second.chinchilla_heldout_mean_rel_error:.2%})"
+            )
+        lines.append(line)
     return lines

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_pipeline.shards import DatasetManifest
+from evaluation.kaplan_fit import fit_kaplan
 from evaluation.law_noise import calibrated_fit
 from evaluation.loss_curve import CurveLaw, CurvePoints, Schedule, fit_curve_law, run_curve
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, points_from_table
@@ -27,6 +28,8 @@ from evaluation.scaling_report import (
     PLOTS,
     CurvePrediction,
     ScalingFit,
+    SecondForm,
+    holdout_mask,
     load_samples,
     predict,
     run_fit_scaling,
@@ -42,7 +45,9 @@ if TYPE_CHECKING:
     from flows.recipe import Recipe
 
 log = logging.getLogger(__name__)
-FIT_VERSION = 4  # 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned
+FIT_VERSION = (
+    5  # 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned; 5: Kaplan
+)
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
@@ -146,6 +151,10 @@ def _fit(
         curve = rung_curve(rung, curve_fit.law, prediction.loss).model_copy(update={"band": curve_fit.band})
         prediction = prediction.model_copy(update={"curve": curve})
         updates["curve_law"] = curve_fit.summary()
+    try:
+        prediction = prediction.model_copy(update={"second_form": second_form(points, fit, n, d)})
+    except ValueError as e:
+        log.warning("no second law form: %s", e)
     fit = fit.model_copy(update={**updates, "rung": prediction})
     write_fit_plots(fit, points, out, curves)
     fit.save(out)
@@ -163,6 +172,25 @@ def _fit(
         if (out / name).is_file():
             tracker.log_artifact(out / name, "fit")
     return fit
+
+
+def second_form(points: ScalingPoints, fit: ScalingFit, n: float, d: float) -> SecondForm:
+    """Kaplan's form fitted to the sweep's points: its loss at the rung's (n, d), and its mean error on the
+    held-out budget (fitted without it, as Chinchilla's in `fit.holdout`) beside Chinchilla's."""
+    law = fit_kaplan(points)
+    held = holdout_mask(points)
+    heldout = None
+    if held is not None and len(np.unique(points.n[~held])) >= 2:
+        test = points.subset(held)
+        other = fit_kaplan(points.subset(~held))
+        heldout = float(np.mean(np.abs(other.loss(test.n, test.d) / test.loss - 1.0)))
+    return SecondForm(
+        form="kaplan",
+        law=law.as_dict(),
+        loss=float(law.loss(n, d)),
+        heldout_mean_rel_error=heldout,
+        chinchilla_heldout_mean_rel_error=(fit.holdout or {}).get("mean_rel_error"),
+    )
 
 
 def sweep_curves(points: ScalingPoints, min_step: int = 1) -> CurvePoints | None:

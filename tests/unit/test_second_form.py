@@ -1,0 +1,58 @@
+"""Kaplan's form beside Chinchilla's: the fit recovers a known law, and the rung's second prediction is written
+before it trains, checked after and reported."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from evaluation.kaplan_fit import KaplanLaw, fit_kaplan
+from evaluation.scaling_data import ScalingPoints
+from evaluation.scaling_report import Prediction, SecondForm, run_fit_scaling, rung_lines
+from flows.scaling import second_form
+
+TRUE = KaplanLaw(n_c=3e4, d_c=2e6, alpha_n=0.25, alpha_d=0.3, E=1.2)
+
+
+def points(law, noise: float = 0.0, seed: int = 0) -> ScalingPoints:
+    """An IsoFLOP design like the demo's: 7 sizes at 3 budgets, with lognormal noise."""
+    rng = np.random.default_rng(seed)
+    n = np.tile(np.geomspace(1.2e4, 2e5, 7), 3)
+    c = np.repeat([2e11, 4e11, 8e11], 7)
+    d = c / (6 * n)
+    loss = law.loss(n, d) * np.exp(rng.normal(0.0, noise, n.size))
+    return ScalingPoints(n, d, loss, c, n.copy(), source="synthetic")
+
+
+def test_the_law_is_kaplans_formula():
+    n, d = 5e4, 3e6
+    want = TRUE.E + ((TRUE.n_c / n) ** (TRUE.alpha_n / TRUE.alpha_d) + TRUE.d_c / d) ** TRUE.alpha_d
+    assert float(TRUE.loss(n, d)) == pytest.approx(want, rel=1e-12)
+
+
+def test_a_known_kaplan_law_is_recovered_from_its_points():
+    got = fit_kaplan(points(TRUE))
+    probe_n, probe_d = (
+        np.array([1e5, 3e5]),
+        np.array([1e7, 3e7]),
+    )  # beyond the points: 2-10x the largest budget
+    assert got.loss(probe_n, probe_d) == pytest.approx(TRUE.loss(probe_n, probe_d), rel=2e-3)
+
+
+def test_the_rung_gets_a_second_prediction_checked_and_reported(tmp_path):
+    table = points(TRUE, noise=0.005)
+    fit = run_fit_scaling(table, tmp_path, target_budget=2.4e12, n_bootstrap=50, plots=False, write=False)
+    second = second_form(table, fit, 1e5, 4e6)
+    assert second.loss == pytest.approx(float(TRUE.loss(1e5, 4e6)), rel=0.02)
+    assert second.chinchilla_heldout_mean_rel_error == fit.holdout["mean_rel_error"]
+    assert 0 < second.heldout_mean_rel_error < 0.02  # the true form, fitted without the largest budget
+    rung = Prediction(n=1e5, d=4e6, loss=2.5, interval=(2.4, 2.6), second_form=second).check(2.4, None)
+    assert rung.second_form.rel_error == pytest.approx(abs(2.4 - second.loss) / 2.4)
+    (line,) = [x for x in rung_lines(rung) if "Kaplan's form" in x]
+    assert f"predicted {second.loss:.4f}" in line and f"error {rung.second_form.rel_error:.2%}" in line
+
+
+def test_a_prediction_without_a_second_form_reads_as_before():
+    rung = Prediction(n=1e5, d=4e6, loss=2.5, interval=(2.4, 2.6)).check(2.45, None)
+    assert rung.second_form is None and not any("form" in x for x in rung_lines(rung))
+    assert SecondForm(form="kaplan", law={}, loss=2.0).check(2.5).rel_error == pytest.approx(0.2)
