@@ -27,6 +27,7 @@ from evaluation.scaling_report import (
     FIT_FILE,
     PLOTS,
     CurvePrediction,
+    Prediction,
     ScalingFit,
     SecondForm,
     holdout_mask,
@@ -45,9 +46,8 @@ if TYPE_CHECKING:
     from flows.recipe import Recipe
 
 log = logging.getLogger(__name__)
-FIT_VERSION = (
-    5  # 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned; 5: Kaplan
-)
+# 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned; 5: Kaplan's form beside
+FIT_VERSION = 5
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
@@ -165,6 +165,7 @@ def _fit(
             "fit/n_opt": fit.optimal.n_opt,
             "fit/d_opt": fit.optimal.d_opt,
             "fit/rung_predicted_loss": prediction.loss,
+            **second_form_metric(prediction, "predicted_loss", "loss"),
         },
         step=0,
     )
@@ -191,6 +192,13 @@ def second_form(points: ScalingPoints, fit: ScalingFit, n: float, d: float) -> S
         heldout_mean_rel_error=heldout,
         chinchilla_heldout_mean_rel_error=(fit.holdout or {}).get("mean_rel_error"),
     )
+
+
+def second_form_metric(rung: Prediction, name: str, field: str) -> dict[str, float]:
+    """`fit/rung_<form>_<name>` for MLflow when the rung has a second form's `field`, else nothing."""
+    second = rung.second_form
+    value = getattr(second, field) if second is not None else None
+    return {} if value is None else {f"fit/rung_{second.form}_{name}": value}
 
 
 def sweep_curves(points: ScalingPoints, min_step: int = 1) -> CurvePoints | None:
@@ -280,6 +288,7 @@ def _check(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedMo
         metrics["fit/rung_task_rel_error"] = rung.task_rel_error
     if rung.curve is not None and rung.curve.max_rel_error is not None:
         metrics["fit/rung_curve_max_rel_error"] = rung.curve.max_rel_error
+    metrics |= second_form_metric(rung, "rel_error", "rel_error")
     parent = recipe.tracking.parent_run_id  # the pipeline's run, when there is one
     for run_id in dict.fromkeys(r for r in (sweep.mlflow_run_id, model.mlflow_run_id, parent) if r):
         tracker = existing_run(recipe.tracking, recipe.output_dir, run_id).tracker()

@@ -9,7 +9,7 @@ import pytest
 from evaluation.kaplan_fit import KaplanLaw, fit_kaplan
 from evaluation.scaling_data import ScalingPoints
 from evaluation.scaling_report import Prediction, SecondForm, run_fit_scaling, rung_lines
-from flows.scaling import second_form
+from flows.scaling import second_form, second_form_metric
 
 TRUE = KaplanLaw(n_c=3e4, d_c=2e6, alpha_n=0.25, alpha_d=0.3, E=1.2)
 
@@ -56,3 +56,13 @@ def test_a_prediction_without_a_second_form_reads_as_before():
     rung = Prediction(n=1e5, d=4e6, loss=2.5, interval=(2.4, 2.6)).check(2.45, None)
     assert rung.second_form is None and not any("form" in x for x in rung_lines(rung))
     assert SecondForm(form="kaplan", law={}, loss=2.0).check(2.5).rel_error == pytest.approx(0.2)
+
+
+def test_mlflow_gets_the_second_forms_numbers_when_there_are_some():
+    second = SecondForm(form="kaplan", law={}, loss=2.0)
+    rung = Prediction(n=1e5, d=4e6, loss=2.5, interval=(2.4, 2.6), second_form=second)
+    assert second_form_metric(rung, "predicted_loss", "loss") == {"fit/rung_kaplan_predicted_loss": 2.0}
+    assert second_form_metric(rung, "rel_error", "rel_error") == {}  # not trained yet
+    checked = rung.check(2.5, None)
+    assert second_form_metric(checked, "rel_error", "rel_error") == {"fit/rung_kaplan_rel_error": 0.2}
+    assert second_form_metric(rung.model_copy(update={"second_form": None}), "predicted_loss", "loss") == {}
