@@ -1,7 +1,7 @@
 """Kaplan et al.'s (2020) joint law with an irreducible term, L(N, D) = E + ((N_c/N)^(α_N/α_D) + D_c/D)^α_D: the
 second form fitted beside Chinchilla's, so the rung is predicted two ways before it trains and both are checked
 after. On lmforge's small sweeps Chinchilla's form (fitted over a 4x range of compute) flattened too early: the
-10x rung came in 4.5% below it and 0.9% below this form (README, `benchmarks/law_forms.py`).
+10x rung came in 4.5% below its prediction and 0.9% above this form's (README, `benchmarks/law_forms.py`).
 
 Fitted in log loss with a robust soft-L1 loss (2%: residuals beyond count linearly), from a fixed start and
 perturbations of it; the lowest objective wins. Sizing stays with Chinchilla's law: this one is a second opinion.
