@@ -40,6 +40,12 @@ class KaplanLaw:
     def loss(self, n: np.ndarray | float, d: np.ndarray | float) -> np.ndarray:
         return np.exp(_log_loss(self.theta(), np.asarray(n, dtype=float), np.asarray(d, dtype=float)))
 
+    def optimal_n(self, c: np.ndarray | float) -> np.ndarray:
+        """Compute-optimal parameters for budget C = 6·N·D: with p = α_N/α_D, the minimum of (n_c/N)^p + 6·d_c·N/C
+        is at N* = (p · n_c^p · C / (6 · d_c))^(1 / (p + 1)) (E does not move it)."""
+        p = self.alpha_n / self.alpha_d
+        return np.power(p * self.n_c**p * np.asarray(c, dtype=float) / (6.0 * self.d_c), 1.0 / (p + 1.0))
+
     def theta(self) -> np.ndarray:
         return np.array(
             [math.log(self.n_c), math.log(self.d_c), self.alpha_n, self.alpha_d, math.log(self.E)]

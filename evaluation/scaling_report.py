@@ -67,6 +67,7 @@ class SecondForm(BaseModel):
     form: str
     law: dict[str, float]
     loss: float
+    n_opt: float | None = None  # its compute-optimal size at the fit's target budget
     heldout_mean_rel_error: float | None = None
     chinchilla_heldout_mean_rel_error: float | None = None
     rel_error: float | None = None
@@ -527,5 +528,7 @@ def rung_lines(rung: Prediction | None) -> list[str]:
                 f" (on the held-out budget {second.heldout_mean_rel_error:.2%} off on average, "
                 f"Chinchilla's {second.chinchilla_heldout_mean_rel_error:.2%})"
             )
+        if second.n_opt is not None:
+            line += f"; its compute-optimal N at the target {second.n_opt:.3g}"
         lines.append(line)
     return lines

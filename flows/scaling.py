@@ -189,6 +189,7 @@ def second_form(points: ScalingPoints, fit: ScalingFit, n: float, d: float) -> S
         form="kaplan",
         law=law.as_dict(),
         loss=float(law.loss(n, d)),
+        n_opt=float(law.optimal_n(fit.optimal.budget)),
         heldout_mean_rel_error=heldout,
         chinchilla_heldout_mean_rel_error=(fit.holdout or {}).get("mean_rel_error"),
     )

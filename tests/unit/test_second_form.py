@@ -30,6 +30,13 @@ def test_the_law_is_kaplans_formula():
     assert float(TRUE.loss(n, d)) == pytest.approx(want, rel=1e-12)
 
 
+def test_the_compute_optimal_size_minimises_the_law_along_an_isoflop_curve():
+    c = 2.4e12
+    n = np.geomspace(1e3, 1e8, 200001)
+    best = n[np.argmin(TRUE.loss(n, c / (6 * n)))]
+    assert float(TRUE.optimal_n(c)) == pytest.approx(best, rel=1e-3)
+
+
 def test_a_known_kaplan_law_is_recovered_from_its_points():
     got = fit_kaplan(points(TRUE))
     probe_n, probe_d = (
@@ -45,11 +52,13 @@ def test_the_rung_gets_a_second_prediction_checked_and_reported(tmp_path):
     second = second_form(table, fit, 1e5, 4e6)
     assert second.loss == pytest.approx(float(TRUE.loss(1e5, 4e6)), rel=0.02)
     assert second.chinchilla_heldout_mean_rel_error == fit.holdout["mean_rel_error"]
+    assert second.n_opt == pytest.approx(float(TRUE.optimal_n(2.4e12)), rel=0.1)
     assert 0 < second.heldout_mean_rel_error < 0.02  # the true form, fitted without the largest budget
     rung = Prediction(n=1e5, d=4e6, loss=2.5, interval=(2.4, 2.6), second_form=second).check(2.4, None)
     assert rung.second_form.rel_error == pytest.approx(abs(2.4 - second.loss) / 2.4)
     (line,) = [x for x in rung_lines(rung) if "Kaplan's form" in x]
     assert f"predicted {second.loss:.4f}" in line and f"error {rung.second_form.rel_error:.2%}" in line
+    assert f"compute-optimal N at the target {second.n_opt:.3g}" in line
 
 
 def test_a_prediction_without_a_second_form_reads_as_before():
