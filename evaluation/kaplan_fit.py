@@ -69,14 +69,17 @@ def fit_kaplan(points: ScalingPoints, starts: int = N_STARTS, seed: int = 0) -> 
     best = None
     for i in range(starts):
         theta0 = START + (rng.normal(0.0, 0.5, START.size) if i else 0.0)
-        with np.errstate(all="ignore"):
-            sol = least_squares(
-                lambda t: _log_loss(t, points.n, points.d) - y,
-                theta0,
-                loss="soft_l1",
-                f_scale=ROBUST_SCALE,
-                max_nfev=20000,
-            )
+        try:
+            with np.errstate(all="ignore"):
+                sol = least_squares(
+                    lambda t: _log_loss(t, points.n, points.d) - y,
+                    theta0,
+                    loss="soft_l1",
+                    f_scale=ROBUST_SCALE,
+                    max_nfev=20000,
+                )
+        except ValueError:  # a start whose loss is not finite (an exponent near 0 overflows): the next one
+            continue
         if np.all(np.isfinite(sol.fun)) and (best is None or sol.cost < best.cost):
             best = sol
     if best is None:

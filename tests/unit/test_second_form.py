@@ -46,6 +46,15 @@ def test_a_known_kaplan_law_is_recovered_from_its_points():
     assert got.loss(probe_n, probe_d) == pytest.approx(TRUE.loss(probe_n, probe_d), rel=2e-3)
 
 
+def test_a_start_whose_loss_is_not_finite_is_skipped(monkeypatch):
+    import evaluation.kaplan_fit as kaplan_fit
+
+    # the first start (the fixed one) overflows: α_D ~ 0 puts N_c/N under an exponent of 1e9
+    monkeypatch.setattr(kaplan_fit, "START", np.array([np.log(1e6), np.log(1e6), 0.7, 1e-9, 0.5]))
+    got = fit_kaplan(points(TRUE), starts=20)
+    assert got.loss(1e5, 1e7) == pytest.approx(float(TRUE.loss(1e5, 1e7)), rel=0.02)
+
+
 def test_the_rung_gets_a_second_prediction_checked_and_reported(tmp_path):
     table = points(TRUE, noise=0.005)
     fit = run_fit_scaling(table, tmp_path, target_budget=2.4e12, n_bootstrap=50, plots=False, write=False)
