@@ -1,6 +1,6 @@
 """Which law form extrapolates: Chinchilla's L = E + A/N^α + B/D^β (lmforge's fit) against Kaplan et al.'s
 L = E + ((N_c/N)^(α_N/α_D) + D_c/D)^α_D, each fitted to a sweep's points and scored where the sweep has no data:
-the largest budget predicted from the others (bias and mean error), and every trained rung under the outputs
+the largest budget predicted from the others (`holdout_mask`, as `lmforge fit` holds it out) (bias and mean error), and every trained rung under the outputs
 (the measured loss of each `rung/*/fit.json`, whichever sweep it was sized from: a rung is a point any law of the
 same data can be asked about). One JSON line per sweep.
 
@@ -26,6 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from evaluation.kaplan_fit import fit_kaplan  # noqa: E402
 from evaluation.law_noise import calibrated_fit  # noqa: E402
 from evaluation.scaling_data import ScalingPoints  # noqa: E402
+from evaluation.scaling_report import holdout_mask  # noqa: E402
 from flows.scaling import sweep_points  # noqa: E402
 
 FORMS = {
@@ -35,8 +36,7 @@ FORMS = {
 
 
 def scores(points: ScalingPoints, rungs: list[dict]) -> dict:
-    labels = points.budgets()
-    held = labels == labels.max()
+    held = holdout_mask(points)  # the split fit.json's held-out check uses
     train, test = points.subset(~held), points.subset(held)
     out = {}
     for name, fit in FORMS.items():
