@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,29 @@ def test_console_script_is_installed() -> None:
     result = subprocess.run([str(exe), "model", "summary", "smoke", "--json"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["recipe"] == "smoke"
+
+
+def test_the_executable_waits_for_threads_runs_exit_handlers_and_keeps_the_exit_code(tmp_path: Path) -> None:
+    """`lmforge` (flows.cli.console) skips the interpreter's module teardown, not what comes before it: a
+    non-daemon thread still running when the command returns, an exit handler it registered, and output still
+    in the pipe's buffer all finish, and the command's exit code is the process's."""
+    script = f"""
+import atexit, threading, time
+from pathlib import Path
+import flows.cli
+out = Path({str(tmp_path)!r})
+def command(argv=None):
+    threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("done"))).start()
+    atexit.register(lambda: (out / "atexit").write_text("ran"))
+    print("buffered", end="")
+    return 3
+flows.cli.main = command
+flows.cli.console()
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout a pipe, block-buffered
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 3 and done.stdout == "buffered", done.stderr
+    assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"
 
 
 @pytest.mark.slow
