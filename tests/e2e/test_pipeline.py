@@ -20,7 +20,7 @@ import pytest
 
 from flows.recipe import load_recipe
 from flows.registry import pipeline, toggles
-from infra.services import free_port, start_mlflow, start_prefect, stop
+from infra.services import free_port, start_mlflow, start_prefect, stop_all
 from infra.storage import sha256_file
 from tests.pretrain_helpers import clean_env, lmforge_command, quiet_runner, smoke_overrides, with_sets
 from training.model.config import ModelConfig
@@ -48,8 +48,7 @@ def services(tmp_path_factory):
         prefect = starting.result()
     env = {**clean_env(), "PREFECT_API_URL": f"{prefect.url}/api", "LMFORGE_TRACKING_URI": ml.url}
     yield prefect, ml, env, state
-    stop(ml, timeout=2)  # disposable servers: no need to wait for a graceful exit
-    stop(prefect, timeout=2)
+    stop_all([ml, prefect], timeout=2)  # disposable servers: no need to wait for a graceful exit
 
 
 @pytest.fixture(scope="module")

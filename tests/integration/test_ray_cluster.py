@@ -21,7 +21,7 @@ import pytest
 
 from infra import ray_jobs
 from infra.object_store import Store, open_store
-from infra.services import Running, free_port, start_mlflow, stop
+from infra.services import Running, free_port, start_mlflow, stop_all
 from tests.pretrain_helpers import GOLDEN, clean_env, cli, logged_once, losses, smoke_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -89,9 +89,9 @@ def cluster(tmp_path_factory, s3):
     state = tmp_path_factory.mktemp("mlflow")
     ml = start_mlflow(state, f"sqlite:///{state / 'mlflow.db'}", state / "artifacts", port=free_port())
     yield address, ml, {node.pid for node in nodes}
-    stop(ml, timeout=2)
-    for node in reversed(nodes):  # by process group: other Ray processes on the host are left alone
-        stop(node, timeout=2)  # a disposable cluster: no need to wait 10 s for a graceful exit
+    # by process group (other Ray processes on the host are left alone), together: a disposable cluster needs no
+    # graceful exit, nor one grace period per process
+    stop_all([ml, *nodes], timeout=2)
     ray.shutdown()
     for key, value in saved.items():
         if value is None:
