@@ -1,8 +1,8 @@
 """Which law form extrapolates: Chinchilla's L = E + A/N^α + B/D^β (lmforge's fit) against Kaplan et al.'s
 L = E + ((N_c/N)^(α_N/α_D) + D_c/D)^α_D, each fitted to a sweep's points and scored where the sweep has no data:
-the largest budget predicted from the others (`holdout_mask`, as `lmforge fit` holds it out) (bias and mean error), and every trained rung under the outputs
-(the measured loss of each `rung/*/fit.json`, whichever sweep it was sized from: a rung is a point any law of the
-same data can be asked about). One JSON line per sweep.
+the largest budget predicted from the others (held out by `holdout_mask`, as `lmforge fit` does; bias and mean
+error), and every trained rung under the outputs (the measured loss of each `rung/*/fit.json`, whichever sweep it
+was sized from: a rung is a point any law of the same data can be asked about). One JSON line per sweep.
 
     .venv/bin/python benchmarks/law_forms.py [outputs ...]
 

@@ -39,7 +39,7 @@ def smoke_overrides(output_dir: Path | str, *extra: str) -> list[str]:
 
 def pretrain_here(output_dir: Path | str, *extra: str) -> TrainedModel:
     """The smoke recipe pretrained from this process, as `lmforge pretrain` would (trained, resumed or found
-    finished): a launch costs ~10 s of imports and startup, so tests launch only the runs they kill."""
+    finished): a launch costs ~5 s of imports and startup, so tests launch only the runs they kill."""
     from data_pipeline.tokenize import run_tokenize
     from flows.recipe import load_recipe
     from training.stages.pretrain import run_pretrain
