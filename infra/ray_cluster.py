@@ -5,6 +5,7 @@ machine (say `lmforge up`'s), unless `RAY_ADDRESS` names it."""
 from __future__ import annotations
 
 import os
+import sys
 
 
 def ensure_ray(min_cpus: int = 1, log_to_driver: bool = True) -> bool:
@@ -21,3 +22,20 @@ def ensure_ray(min_cpus: int = 1, log_to_driver: bool = True) -> bool:
         cpus = max(min_cpus, os.cpu_count() or 1)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=log_to_driver)
     return private
+
+
+def quiet_exits_in_callbacks() -> None:
+    """For code Ray runs in a worker process: Ray's SIGTERM handler there raises SystemExit, and when the signal
+    lands while a weakref or garbage-collector callback runs (seen at the end of sweep trials, as the driver shuts its
+    instance down), Python can only print it as "Exception ignored in: ... SystemExit: 1" with a traceback, which the
+    driver forwards to the user's terminal after a clean stop. Those reports are dropped; every other one is printed."""
+    previous = sys.unraisablehook
+    if getattr(previous, "lmforge_quiet_exits", False):
+        return
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if unraisable.exc_type is None or not issubclass(unraisable.exc_type, SystemExit):
+            previous(unraisable)
+
+    hook.lmforge_quiet_exits = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook

@@ -15,7 +15,7 @@ import torch
 
 from infra.errors import Preempted, UserError
 from infra.object_store import Store
-from infra.ray_cluster import ensure_ray
+from infra.ray_cluster import ensure_ray, quiet_exits_in_callbacks
 from training.config import ParallelConfig
 from training.preemption import STOP_FILE, stop_file_on_signals
 
@@ -81,6 +81,7 @@ def run_workers(
 def _stoppable(config: dict[str, Any]) -> None:
     """A Ray Train worker: `config["worker"](config)`, which watches `config["stop_file"]` after every step; a
     worker stopped by it returns normally (an error would make Ray Train restart the group) and leaves a mark."""
+    quiet_exits_in_callbacks()
     if config["stop_file"]:
         os.environ[STOP_FILE] = config["stop_file"]
     try:

@@ -30,7 +30,7 @@ from data_pipeline.shards import DatasetManifest
 from infra.config import override
 from infra.errors import Preempted
 from infra.object_store import is_remote
-from infra.ray_cluster import ensure_ray
+from infra.ray_cluster import ensure_ray, quiet_exits_in_callbacks
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json
 from infra.tracking import tracked_run, tracking_uri
@@ -242,6 +242,7 @@ def _trainable(
     driver is asked to stop, it creates `stop_file`: the run checkpoints after its current step and ends."""
     from ray import tune
 
+    quiet_exits_in_callbacks()
     # a trial is a fresh one-process run: drop process-group variables inherited from the driver's environment
     # (an in-process run there sets MASTER_PORT to a port its own process group still holds)
     if not torch.distributed.is_initialized():
