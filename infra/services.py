@@ -30,6 +30,7 @@ from pathlib import Path
 import psutil
 
 from infra.errors import UserError
+from infra.mlflow_template import seed_store
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +202,10 @@ def prefect_env(state_dir: Path) -> dict[str, str]:
 def start_mlflow(
     state_dir: Path, backend_uri: str, artifacts: Path, host: str = "127.0.0.1", port: int | None = None
 ) -> Running:
-    """`mlflow server` over the project's store (sqlite by default), serving artifacts from `artifacts`."""
+    """`mlflow server` over the project's store (sqlite by default; a new one starts as a copy of a migrated empty
+    one), serving artifacts from `artifacts`."""
     check_bind("mlflow", host)
+    seed_store(backend_uri)
     port = port or DEFAULT_PORTS["mlflow"]
     cmd = [
         _bin("mlflow"),

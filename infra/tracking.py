@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from infra.errors import Preempted, UserError, root_cause
 from infra.mirror import working_dir
+from infra.mlflow_template import seed_store
 from infra.object_store import is_remote
 from infra.secrets import SECRET_NAME, redact, url_has_password
 
@@ -268,6 +269,7 @@ def open_run(
     import mlflow
 
     uri = tracking_uri(cfg, output_dir)
+    seed_store(uri)  # a new store: a copy of a migrated empty one
     tags = redact({"lmforge.git": git_revision(), **cfg.tags, **tags})
     if cfg.parent_run_id:
         tags["mlflow.parentRunId"] = cfg.parent_run_id
