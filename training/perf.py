@@ -7,7 +7,6 @@ in bf16) or, by default, a dense GEMM measured on the same device, dtype and thr
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
@@ -45,14 +44,3 @@ def measure_matmul_peak(
         _sync(device)
         best = max(best, 2 * m * k * n / (time.perf_counter() - start))
     return best
-
-
-def process_peak(dtype: torch.dtype, device: torch.device, m: int, k: int, n: int) -> float:
-    """`measure_matmul_peak`, once per process for each shape, dtype, device and thread count: a process that trains
-    many short runs (a sweep's reused trial actor, a test session) measured the same GEMM again for each."""
-    return _process_peak(dtype, device, m, k, n, torch.get_num_threads())
-
-
-@functools.lru_cache(maxsize=64)
-def _process_peak(dtype: torch.dtype, device: torch.device, m: int, k: int, n: int, threads: int) -> float:
-    return measure_matmul_peak(dtype, device, m, k, n)
