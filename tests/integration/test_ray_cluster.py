@@ -13,6 +13,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlflow
@@ -64,7 +65,6 @@ def cluster(tmp_path_factory, s3):
         temp,
         *common,
     ]
-    nodes = [_start(head, {**env, "LMFORGE_CACHE": f"{temp}/cache-head"}, temp, "head")]
     second = [
         RAY,
         "start",
@@ -77,17 +77,14 @@ def cluster(tmp_path_factory, s3):
         '{"second_node": 1}',
         *common,
     ]
-    address = f"http://127.0.0.1:{dashboard}"
-    deadline = time.monotonic() + 180
-    while not _alive_nodes(address):
-        assert time.monotonic() < deadline, "the head did not come up; see " + nodes[0].log
-        time.sleep(1)
-    nodes.append(_start(second, {**env, "LMFORGE_CACHE": f"{temp}/cache-second"}, temp, "second"))
-    while len(_alive_nodes(address)) < 2:
-        assert time.monotonic() < deadline, "the second node did not join; see " + nodes[1].log
-        time.sleep(1)
     state = tmp_path_factory.mktemp("mlflow")
-    ml = start_mlflow(state, f"sqlite:///{state / 'mlflow.db'}", state / "artifacts", port=free_port())
+    with ThreadPoolExecutor(1) as pool:  # the MLflow server starts while the nodes do
+        starting = pool.submit(
+            start_mlflow, state, f"sqlite:///{state / 'mlflow.db'}", state / "artifacts", port=free_port()
+        )
+        nodes = _start_nodes(head, second, env, temp, port, dashboard)
+        ml = starting.result()
+    address = f"http://127.0.0.1:{dashboard}"
     yield address, ml, {node.pid for node in nodes}
     # by process group (other Ray processes on the host are left alone), together: a disposable cluster needs no
     # graceful exit, nor one grace period per process
@@ -98,6 +95,23 @@ def cluster(tmp_path_factory, s3):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def _start_nodes(
+    head: list[str], second: list[str], env: dict[str, str], temp: str, port: int, dashboard: int
+) -> list[Running]:
+    """The head, then the second node once the head is up; both alive."""
+    address = f"http://127.0.0.1:{dashboard}"
+    nodes = [_start(head, {**env, "LMFORGE_CACHE": f"{temp}/cache-head"}, temp, "head")]
+    deadline = time.monotonic() + 180
+    while not _alive_nodes(address):
+        assert time.monotonic() < deadline, "the head did not come up; see " + nodes[0].log
+        time.sleep(1)
+    nodes.append(_start(second, {**env, "LMFORGE_CACHE": f"{temp}/cache-second"}, temp, "second"))
+    while len(_alive_nodes(address)) < 2:
+        assert time.monotonic() < deadline, "the second node did not join; see " + nodes[1].log
+        time.sleep(1)
+    return nodes
 
 
 def _start(cmd: list[str], env: dict[str, str], temp: str, name: str) -> Running:
