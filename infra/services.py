@@ -203,7 +203,7 @@ def start_mlflow(
     state_dir: Path, backend_uri: str, artifacts: Path, host: str = "127.0.0.1", port: int | None = None
 ) -> Running:
     """`mlflow server` over the project's store (sqlite by default; a new one starts as a copy of a migrated empty
-    one), serving artifacts from `artifacts`."""
+    one), serving artifacts from `artifacts`, without MLflow's job runner unless the environment asks for it."""
     check_bind("mlflow", host)
     seed_store(backend_uri)
     port = port or DEFAULT_PORTS["mlflow"]
@@ -223,7 +223,10 @@ def start_mlflow(
     ]
     if not is_loopback(host):
         cmd += ["--app-name", "basic-auth"]
-    return _spawn("mlflow", cmd, dict(os.environ), state_dir, f"http://{host}:{port}", "/health")
+    # MLflow's job runner (GenAI judges, prompt optimisation: nothing lmforge uses) is seven more Python processes
+    # importing MLflow beside the server; it stays off unless the environment turns it on
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
+    return _spawn("mlflow", cmd, env, state_dir, f"http://{host}:{port}", "/health")
 
 
 def ray_token(state_dir: Path) -> tuple[str, Path]:

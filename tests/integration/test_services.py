@@ -85,13 +85,15 @@ def test_up_binds_loopback_and_down_stops_exactly_its_processes(tmp_path):
         assert not exposed, exposed
 
         assert _get(f"{services['prefect'].url}/api/health")[0] == 200
-        status, page = _get(f"{services['prefect'].url}/")
-        assert status == 200 and "<html" in page.lower()
-        status, page = _get(f"{services['mlflow'].url}/")
-        assert status == 200 and "<html" in page.lower()
+        code, page = _get(f"{services['prefect'].url}/")
+        assert code == 200 and "<html" in page.lower()
+        code, page = _get(f"{services['mlflow'].url}/")
+        assert code == 200 and "<html" in page.lower()
+        commands = [" ".join(p.cmdline()) for p in members(services["mlflow"]) if status(p) is not None]
+        assert commands and not [c for c in commands if "mlflow.server.jobs" in c], commands  # no job runner
         assert _get(f"{services['ray'].url}/api/version")[0] in (401, 403)  # token auth is on
-        status, version = _get(f"{services['ray'].url}/api/version", {"Authorization": f"Bearer {token}"})
-        assert status == 200 and json.loads(version)["ray_version"]
+        code, version = _get(f"{services['ray'].url}/api/version", {"Authorization": f"Bearer {token}"})
+        assert code == 200 and json.loads(version)["ray_version"]
 
         again = subprocess.run(
             lmforge_command("up", "--state-dir", str(state)), capture_output=True, text=True, env=env
