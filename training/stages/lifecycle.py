@@ -36,7 +36,7 @@ from training.model.accounting import flops_per_token
 from training.model.config import ModelConfig
 from training.model.export import export_damage
 from training.objective import Objective, TokenCrossEntropy
-from training.perf import measure_matmul_peak, published_peak
+from training.perf import process_peak, published_peak
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, float, float], None]  # (step, loss, tokens/s), rank 0
@@ -284,7 +284,7 @@ def peak_flops_for(
     if rank != 0:
         return 1.0
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-    return measure_matmul_peak(dtype, device, train.micro_batch_size * train.seq_len, cfg.d_model, cfg.d_ff)
+    return process_peak(dtype, device, train.micro_batch_size * train.seq_len, cfg.d_model, cfg.d_ff)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
