@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -63,15 +61,3 @@ def encode_files(
     )
     for row in dataset.iter_rows():
         yield pickle.loads(row["payload"])
-    wait_for_executors()
-
-
-def wait_for_executors(timeout: float = 120.0) -> None:
-    """Wait for Ray Data's executor threads in this process to end. A finished dataset's executor still shuts its
-    actor pool down on its own thread, and waits only 2 s for it; a `ray.shutdown()` meanwhile (the private
-    instance's, when this process exits) ends the process with exit code 1 ("The core worker has already been
-    shutdown ... The process will exit": it ended a test session that shut Ray down right after tokenizing)."""
-    deadline = time.monotonic() + timeout
-    for thread in threading.enumerate():
-        if thread.name.startswith("StreamingExecutor-") and thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))

@@ -3,7 +3,6 @@ shards as worker processes."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,6 @@ def test_ray_backend_matches_processes(
         on_ray = run_tokenize(
             small_data_cfg.model_copy(update={"backend": "ray", "num_workers": 2}), tmp_path
         )
-        # Ray Data's executor is done before tokenization returns (one still shutting its actors down when Ray shuts
-        # down ends the process with exit code 1)
-        assert not [t for t in threading.enumerate() if t.name.startswith("StreamingExecutor-")]
     finally:
         ray.shutdown()
     digests = {s: [i.sha256 for i in info.shards] for s, info in on_ray.splits.items()}

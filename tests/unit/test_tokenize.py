@@ -250,19 +250,3 @@ def test_a_copied_or_moved_output_tree_reads_its_own_files(
     shard.write_bytes(shard.read_bytes()[:100])  # damage in the moved tree is seen there
     with pytest.raises(DataError, match=r"moved/.*train-00000\.arrow: 100 bytes"):
         PackedLoader(DatasetManifest.load(moved / relative), seq_len=32, batch_size=2)
-
-
-def test_tokenizing_on_ray_returns_after_ray_datas_executors_end() -> None:
-    """An executor thread still shutting its actors down (Ray Data waits 2 s for it) is waited for: a Ray shutdown
-    during it ends the process."""
-    import threading
-    import time
-
-    from data_pipeline.ray_data import wait_for_executors
-
-    executor = threading.Thread(
-        target=time.sleep, args=(0.5,), name="StreamingExecutor-dataset_0", daemon=True
-    )
-    executor.start()
-    wait_for_executors()
-    assert not executor.is_alive()
