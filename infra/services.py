@@ -223,7 +223,7 @@ def start_mlflow(
     ]
     if not is_loopback(host):
         cmd += ["--app-name", "basic-auth"]
-    # MLflow's job runner (GenAI judges, prompt optimisation: nothing lmforge uses) is seven more Python processes
+    # MLflow's job runner (GenAI judges, prompt optimisation: nothing lmforge uses) is eight more Python processes
     # importing MLflow beside the server; it stays off unless the environment turns it on
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
     return _spawn("mlflow", cmd, env, state_dir, f"http://{host}:{port}", "/health")
