@@ -82,7 +82,7 @@ def cluster(tmp_path_factory, s3):
         starting = pool.submit(
             start_mlflow, state, f"sqlite:///{state / 'mlflow.db'}", state / "artifacts", port=free_port()
         )
-        nodes = _start_nodes(head, second, env, temp, port, dashboard)
+        nodes = _start_nodes(head, second, env, temp, dashboard)
         ml = starting.result()
     address = f"http://127.0.0.1:{dashboard}"
     yield address, ml, {node.pid for node in nodes}
@@ -98,7 +98,7 @@ def cluster(tmp_path_factory, s3):
 
 
 def _start_nodes(
-    head: list[str], second: list[str], env: dict[str, str], temp: str, port: int, dashboard: int
+    head: list[str], second: list[str], env: dict[str, str], temp: str, dashboard: int
 ) -> list[Running]:
     """The head, then the second node once the head is up; both alive."""
     address = f"http://127.0.0.1:{dashboard}"
