@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -91,5 +92,42 @@ def stop_file_on_signals(path: Path, what: str) -> Iterator[StopRequest]:
             what,
         )
 
-    with stop_on_signals(ask) as request:
+    with stop_on_signals(ask) as request, _touched_on_arrival(path):
         yield request
+
+
+@contextmanager
+def _touched_on_arrival(path: Path) -> Iterator[None]:
+    """Within the block, a thread creates `path` the moment SIGTERM or SIGINT arrives. Python runs signal handlers
+    in the main thread only, between bytecodes, and a driver waiting in `ray.get` (in C++, without the GIL) runs them
+    up to a second late: at ~10 ms a step the workers trained ~50 more steps first, or finished. The C-level handler
+    writes the signal's number to the wakeup fd at once, which this thread reads. Skipped when the process already
+    has a wakeup fd (an asyncio loop's)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    receive, send = socket.socketpair()
+    send.setblocking(False)
+    theirs = signal.set_wakeup_fd(send.fileno(), warn_on_full_buffer=False)
+    if theirs != -1:
+        signal.set_wakeup_fd(theirs)
+        receive.close()
+        send.close()
+        yield
+        return
+    numbers = {int(n) for n in SIGNALS}
+
+    def watch() -> None:
+        while data := receive.recv(64):  # b"" once `send` is closed
+            if numbers.intersection(data):
+                path.touch()
+
+    watcher = threading.Thread(target=watch, name="lmforge-stop-file", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(-1)
+        send.close()
+        watcher.join()
+        receive.close()

@@ -90,3 +90,35 @@ def test_an_exit_inside_a_callback_is_not_reported_but_real_errors_are(mode: str
     assert "ValueError: a real bug in a callback" in done.stderr
     # the plain run shows the report the quiet one drops
     assert ("SystemExit" in done.stderr) == (mode == "plain"), done.stderr
+
+
+# A driver whose main thread waits outside the interpreter (as in `ray.get`) while the signal lands on another
+# thread: Python's handler runs only when the wait ends, 5 s later here.
+_BLOCKED_DRIVER = """
+import signal, sys, time
+from pathlib import Path
+from training.preemption import stop_file_on_signals
+with stop_file_on_signals(Path(sys.argv[1]), "the workers"):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the main thread is busy elsewhere
+    print("waiting", flush=True)
+    time.sleep(5)
+"""
+
+
+def test_the_stop_file_appears_while_the_main_thread_is_still_blocked(tmp_path) -> None:
+    import time
+
+    stop_file = tmp_path / "run" / "STOP"
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _BLOCKED_DRIVER, str(stop_file)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert driver.stdout.readline() == "waiting\n"
+        driver.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2
+        while not stop_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stop_file.exists() and driver.poll() is None  # before the wait ends
+    finally:
+        driver.kill()
+        driver.wait()
