@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flows.recipe import ConfigError, apply_overrides, load_recipe, validate_recipe
+from infra.allocator import keep_freed_memory
 from infra.errors import UserError, expected_failure
 
 if TYPE_CHECKING:
@@ -222,7 +223,9 @@ def console() -> None:
     non-daemon threads, run the exit handlers: MLflow, Ray and Prefect shutdown, logging's flush; flush the
     standard streams), then end the process. Tearing down every imported module one by one (torch, DeepSpeed,
     transformers) took ~2 s of each training command's exit here and does nothing a finished command needs.
-    A traceback (a bug) or argparse's exit take the normal path."""
+    A traceback (a bug) or argparse's exit take the normal path. Large blocks are kept by the allocator
+    (`infra.allocator`)."""
+    keep_freed_memory()
     code = main()
     threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx runs first
     atexit._run_exitfuncs()

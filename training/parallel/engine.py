@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from data_pipeline.loader import Batch
+from infra.allocator import keep_freed_memory
 from training.compile import maybe_compile
 from training.config import OptimConfig, ParallelConfig, TrainConfig
 from training.model.transformer import ModelOutput, Transformer
@@ -185,9 +186,11 @@ def _clip_grad_norm(module: nn.Module, max_norm: float) -> float:
 def build_engine(
     model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, train: TrainConfig
 ) -> DeepSpeedEngine:
-    """deepspeed.initialize over our parameter groups and the optimiser `training/optim/optimizers.py` builds."""
+    """deepspeed.initialize over our parameter groups and the optimiser `training/optim/optimizers.py` builds.
+    The process's allocator keeps large blocks from here on (`infra.allocator`: a step's tensors reuse them)."""
     import deepspeed
 
+    keep_freed_memory()
     if parallel.ep_size > 1:
         swap_in_expert_parallel(model, parallel.ep_size)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[parallel.precision]
