@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Iterator
+import threading
+from collections.abc import Generator, Iterator
 
 import numpy as np
 
@@ -59,5 +60,21 @@ def encode_files(
         compute=ray.data.ActorPoolStrategy(size=workers),
         num_cpus=1,
     )
-    for row in dataset.iter_rows():
-        yield pickle.loads(row["payload"])
+    running = set(threading.enumerate())
+    rows = iter(dataset.iter_rows())
+    try:
+        for row in rows:
+            yield pickle.loads(row["payload"])
+    finally:  # also when the caller stops early (data.max_documents): see `_stop_reading`
+        _stop_reading(rows, set(threading.enumerate()) - running)
+
+
+def _stop_reading(rows: Iterator[dict[str, object]], started: set[threading.Thread]) -> None:
+    """Close Ray Data's row iterator and wait for the threads it started to fetch blocks ahead: left running
+    after the caller stopped early, one of them called into Ray after the caller had shut Ray down, which ends
+    the process ("The core worker has already been shutdown"). Its parked block prefetchers never wake again."""
+    if isinstance(rows, Generator):
+        rows.close()  # Ray Data's early-stop path: its workers stop after their current block
+    for thread in started:
+        if thread.name == "iter_threaded":
+            thread.join(timeout=60)

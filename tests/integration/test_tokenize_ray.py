@@ -3,6 +3,7 @@ shards as worker processes."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ def test_ray_backend_matches_processes(
         on_ray = run_tokenize(
             small_data_cfg.model_copy(update={"backend": "ray", "num_workers": 2}), tmp_path
         )
+        # it stopped reading early (data.max_documents): no Ray Data thread may still call into Ray at shutdown
+        assert not [t for t in threading.enumerate() if t.name == "iter_threaded"]
     finally:
         ray.shutdown()
     digests = {s: [i.sha256 for i in info.shards] for s, info in on_ray.splits.items()}
