@@ -304,14 +304,23 @@ class Transformer(nn.Module):
     ) -> ModelOutput:
         """tokens (B, T); targets (B, T) with IGNORE_INDEX where no loss; cache for incremental decoding."""
         hidden, stats = self.model(tokens, cache)
-        logits = self.lm_head(hidden)  # (B, T, V)
-        if self.cfg.output_mult != 1.0:
-            logits = logits * self.cfg.output_mult
         aux = router_loss(self.cfg, stats)
         if targets is None:
-            return ModelOutput(logits=logits, aux_loss=aux, router_stats=stats)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            return ModelOutput(logits=self.logits(hidden), aux_loss=aux, router_stats=stats)
+        logits, ce = self.logits_and_loss(hidden, targets)
         return ModelOutput(logits=logits, loss=ce + aux, ce_loss=ce, aux_loss=aux, router_stats=stats)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The output head: hidden states (B, T, C) -> logits (B, T, V)."""
+        logits = self.lm_head(hidden)
+        return logits * self.cfg.output_mult if self.cfg.output_mult != 1.0 else logits
+
+    def logits_and_loss(self, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """The logits and their mean cross-entropy (in fp32) over the targets that are not IGNORE_INDEX: one region
+        for `training/compile.py`, which fuses the fp32 cast into the loss."""
+        logits = self.logits(hidden)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return logits, ce
 
     def new_cache(self, batch: int, max_len: int | None = None) -> list[Cache]:
         """Empty per-layer KV caches on this model's device and dtype (linear attention: fp32 running sums,
