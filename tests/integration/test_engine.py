@@ -206,7 +206,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(
 
 
 def test_compiled_blocks_train_as_eager_does(tokenized: tuple[DatasetManifest, Path], tmp_path: Path) -> None:
-    """torch.compile (Inductor's CPU backend here) of the blocks: the same losses and weights as eager after 3
+    """torch.compile (Inductor's CPU backend here) of the blocks and the head: the same losses and weights as eager after 3
     steps, to fp32 rounding; activation checkpointing over compiled blocks too."""
     manifest, _ = tokenized
     recipe = load_recipe("smoke")
@@ -218,6 +218,7 @@ def test_compiled_blocks_train_as_eager_does(tokenized: tuple[DatasetManifest, P
     ):
         engine, r = engine_for(Transformer(recipe.model), *sets)
         assert ("forward" in vars(engine.module.model.layers[0])) == (name != "eager")  # the compiled wrapper
+        assert ("logits_and_loss" in vars(engine.module)) == (name != "eager")  # and the compiled output head
         (tmp_path / name).mkdir()
         run_steps(engine, r, manifest, tmp_path / name, steps=3)
         weights[name] = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
