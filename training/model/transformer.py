@@ -16,6 +16,7 @@ Shape letters: B batch, T query length, S key length, C d_model, H query heads, 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -160,10 +161,18 @@ EXPLICIT_ATTENTION_MAX_LEN = 192
 
 
 def explicit_attention_pays(q: Tensor) -> bool:
-    """Whether q (B, H, T, D) is attended faster explicitly: short sequences in bf16 or fp16 on a CPU, where the flash
-    kernel's backward ran at ~25 GFLOP/s (a kernel choice: the model's results stay within bf16 rounding)."""
+    """Whether q (B, H, T, D) is attended faster explicitly: short sequences in bf16 on a CPU with bf16 matrix units,
+    where the flash kernel's backward ran at ~25 GFLOP/s (a kernel choice: the results stay within bf16 rounding).
+    Elsewhere (fp16, CPUs that emulate bf16) it was not measured and SDPA stays."""
     short = q.shape[2] <= EXPLICIT_ATTENTION_MAX_LEN
-    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and short
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and short and cpu_has_bf16_matrix_units()
+
+
+@functools.cache
+def cpu_has_bf16_matrix_units() -> bool:
+    """AMX or AVX-512 BF16 (as PyTorch detects them): bf16 GEMMs run natively, not emulated (~50x slower than fp32)."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
