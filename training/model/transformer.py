@@ -9,7 +9,9 @@ such a model has no Llama layout (`has_llama_layout`).
 
 Module names are Hugging Face's (`model.layers.{i}.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...):
 export is a key-for-key copy and PEFT adapters trained here load on the export unchanged.
-Model code has no device, precision or distributed logic: callers own autocast, DeepSpeed and placement.
+Model code has no device, precision or distributed logic: callers own autocast, DeepSpeed and placement. The
+exceptions are kernel choices that leave results within rounding: short bf16 attention on CPUs
+(`explicit_attention_pays`) and the MoE's row padding (`moe.gemm_row_multiple`).
 
 Shape letters: B batch, T query length, S key length, C d_model, H query heads, G kv heads, D head_dim, V vocab.
 """
@@ -139,19 +141,19 @@ class Attention(nn.Module):
         S = k.shape[2]
         if cache is None and explicit_attention_pays(q):
             y = explicit_causal_attention(q, k, v, self.scale)
-            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-        mask = None
-        if 1 < T < S:  # a chunk appended to a cache: query t sees keys up to its absolute position
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=T == S and T > 1,
-            scale=self.scale,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )  # (B, H, T, D)
+        else:
+            mask = None
+            if 1 < T < S:  # a chunk appended to a cache: query t sees keys up to its absolute position
+                mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=T == S and T > 1,
+                scale=self.scale,
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
