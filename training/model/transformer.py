@@ -158,7 +158,8 @@ class Attention(nn.Module):
 
 
 # Longest sequence for which `explicit_causal_attention` beats PyTorch's CPU flash kernel in bf16 (forward and
-# backward, one thread, 2,048 tokens a batch, AMX: 3.3x at 64 tokens, 2.2x at 128, 0.84x at 256, 0.29x at 2,048).
+# backward, one thread, 2,048 tokens a batch, AMX; `benchmarks/explicit_attention.py`: 2.3-3.3x at 64 tokens,
+# 1.4-2.2x at 128, 1.2-1.7x at 160, 0.94-1.06x at 192 (even), 0.34-0.84x at 256, 0.14-0.29x at 2,048).
 EXPLICIT_ATTENTION_MAX_LEN = 192
 
 
