@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import socket
 import sqlite3
 import subprocess
@@ -358,24 +357,47 @@ def members(running: Running) -> list[psutil.Process]:
 
 
 def stop(running: Running, timeout: float = 10.0) -> None:
-    """SIGTERM the process group `running` started (its leader's PID), then SIGKILL what is left after
+    """Stop the process group `running` started (its leader's PID): SIGTERM, then SIGKILL to what is left after
     `timeout` seconds. Nothing else on the host is touched."""
     stop_all([running], timeout)
 
 
 def stop_all(services: Sequence[Running], timeout: float = 10.0) -> None:
-    """`stop` for several services at once: all are asked to exit, then waited for together (one grace period,
-    not one per service)."""
-    alive = [proc for running in services for proc in members(running)]
-    if not alive:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.send_signal(sig)
-        _, alive = psutil.wait_procs(alive, timeout=timeout if sig == signal.SIGTERM else 5)
-        if not alive:
+    """`stop` for several services at once, waited for together (one grace period, not one per service).
+
+    SIGTERM goes to each group's leader first, which stops its own children in the order it needs (`ray start
+    --block` ends its raylet before the GCS; a raylet whose GCS died first waited out the whole grace period);
+    members still alive once their leader is gone get SIGTERM in turn. The groups are read again while waiting, so
+    a process started during the shutdown is not missed by the final SIGKILL."""
+    signalled: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while (groups := [(running, _live(running)) for running in services]) and any(p for _, p in groups):
+        if time.monotonic() > deadline:
+            for proc in (p for _, procs in groups for p in procs):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            psutil.wait_procs([p for _, procs in groups for p in procs], timeout=5)
             return
+        for running, procs in groups:
+            leader_alive = any(proc.pid == running.pid for proc in procs)
+            for proc in procs:
+                if proc.pid not in signalled and (proc.pid == running.pid or not leader_alive):
+                    with contextlib.suppress(psutil.Error):
+                        proc.terminate()
+                    signalled.add(proc.pid)
+        psutil.wait_procs(
+            [p for _, procs in groups for p in procs], timeout=0.2
+        )  # reaps the ones that are ours
+
+
+def _live(running: Running) -> list[psutil.Process]:
+    """`running`'s group members that have not exited (a zombie is one whose parent has not yet reaped it)."""
+    live = []
+    for proc in members(running):
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                live.append(proc)
+    return live
 
 
 def is_running(running: Running) -> bool:
