@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def run_workers(
     stop_file = None if isinstance(storage, Store) else (storage / "STOP").resolve()
     if stop_file is not None:
         stop_file.with_suffix(".done").unlink(missing_ok=True)  # an earlier attempt's mark
-    trainer = (_without_pg_cleaner(TorchTrainer) if private else TorchTrainer)(
+    trainer = (_for_private_instance(TorchTrainer) if private else TorchTrainer)(
         _stoppable,
         train_loop_config={**spec, "worker": worker, "stop_file": str(stop_file) if stop_file else None},
         scaling_config=scaling,
@@ -91,17 +92,41 @@ def _stoppable(config: dict[str, Any]) -> None:
             Path(config["stop_file"]).with_suffix(".done").touch()
 
 
-def _without_pg_cleaner(trainer: type) -> type:
-    """`trainer` without Ray Train's placement-group cleaner, for a private Ray instance: the cleaner frees the
-    workers' resources if the controller dies, but a private instance dies with this process anyway, and its
-    state-API polling (no dashboard here) held every shutdown for 12 s ("Monitor thread did not exit")."""
+def _for_private_instance(trainer: type) -> type:
+    """`trainer` without the helpers a private Ray instance (one that dies with this process, on one node) does
+    not need, each an actor process that imports Ray Train (~1.3 s of CPU) on the way to the first step:
+    the placement-group cleaner, which frees the workers' resources if the controller dies (its state-API polling,
+    with no dashboard here, also held every shutdown for 12 s: "Monitor thread did not exit"); the Ray Data
+    dataset manager (lmforge's workers read their shards themselves); and the preemption watcher (no node of a
+    private instance is preempted)."""
 
     class PrivateInstanceTrainer(trainer):
         def _create_default_callbacks(self) -> list[Any]:
-            callbacks = super()._create_default_callbacks()
-            return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+            unneeded = {"PlacementGroupCleanerCallback", *(() if self.datasets else ("DatasetsCallback",))}
+            return [c for c in super()._create_default_callbacks() if type(c).__name__ not in unneeded]
+
+        def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
+            with _environment(
+                RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0"
+            ):  # the controller's, passed on at its start
+                return super()._initialize_and_run_controller(**kwargs)
 
     return PrivateInstanceTrainer
+
+
+@contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """`values` in this process's environment within the block, restored after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_elastic(
