@@ -13,8 +13,11 @@ log-likelihood of the target (response loss, nats per token) is reported too.
 from __future__ import annotations
 
 import ast
+import contextlib
+import hashlib
 import json
 import random
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -24,6 +27,8 @@ from data_pipeline.config import END_OF_TURN
 from data_pipeline.sources import DataError, stdlib_files, stdlib_root
 from evaluation.model_io import EvalModel
 from evaluation.scoring import generate_text, score_continuations
+from infra.mirror import cache_root
+from infra.storage import atomic_write_json
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,25 @@ def _parse_item(record: Any, where: str) -> tuple[Item, Literal["mc", "gen"]]:
 
 @lru_cache(maxsize=1)
 def stdlib_public_names() -> dict[str, tuple[str, ...]]:
-    """Public top-level functions and classes of each standard-library module."""
+    """Public top-level functions and classes of each standard-library module. Parsing the standard library takes
+    ~2 s, so each Python installation's answer is kept in the cache directory (`$LMFORGE_CACHE`) for every later
+    process (each `lmforge eval` or pipeline launch paid it again)."""
+    kept = _kept_names()
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # missing or unreadable: parse again
+        return {module: tuple(names) for module, names in json.loads(kept.read_text()).items()}
+    names = _parse_public_names()
+    with contextlib.suppress(OSError):  # a read-only cache only costs the next process the parse
+        atomic_write_json(kept, names)
+    return names
+
+
+def _kept_names() -> Path:
+    """Where this Python installation's standard-library names are kept."""
+    key = hashlib.sha256(f"{sys.version}|{stdlib_root()}".encode()).hexdigest()[:16]
+    return cache_root() / "stdlib-names" / f"{key}.json"
+
+
+def _parse_public_names() -> dict[str, tuple[str, ...]]:
     root, names = stdlib_root(), {}
     for path in stdlib_files():
         parts = path.relative_to(root).with_suffix("").parts

@@ -161,6 +161,25 @@ def test_builtin_stdlib_task_is_deterministic_and_well_formed():
     assert stdlib_import_task(30, seed=2) != a
 
 
+def test_the_stdlib_names_are_parsed_once_per_python_installation(tmp_path, monkeypatch):
+    """The parse (~2 s) is kept in the cache directory for later processes; a damaged copy is parsed again."""
+    from evaluation import tasks
+
+    monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path))
+    parses, parse = [], tasks._parse_public_names
+    monkeypatch.setattr(tasks, "_parse_public_names", lambda: parses.append(1) or parse())
+    tasks._kept_names().parent.mkdir(parents=True)
+    tasks._kept_names().write_text('{"os": ')  # what a crash mid-write would leave, without the atomic write
+    try:
+        tasks.stdlib_public_names.cache_clear()
+        parsed = tasks.stdlib_public_names()
+        tasks.stdlib_public_names.cache_clear()  # as a new process
+        assert tasks.stdlib_public_names() == parsed and len(parses) == 1
+        assert "json" in parsed and "dumps" in parsed["json"] and not any(m.startswith("_") for m in parsed)
+    finally:
+        tasks.stdlib_public_names.cache_clear()
+
+
 def test_effective_rank():
     assert effective_rank(torch.ones(8)) == pytest.approx(8.0)
     assert effective_rank(torch.tensor([1.0, 0, 0, 0])) == pytest.approx(1.0)
