@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import time
@@ -36,20 +37,37 @@ def sweep_setup(tmp_path_factory):
         ),
     )
     data = run_tokenize(recipe.data, recipe.output_dir)
-    seen = []
-    result = run_sweep(
-        recipe.sweep_spec(), data, progress=lambda done, total, row: seen.append((done, total, row["status"]))
-    )
-    return recipe, data, result, seen
+    seen, warnings = [], _Collected(logging.WARNING)
+    tune_log = logging.getLogger("ray.tune")  # Ray's loggers do not reach pytest's capture
+    tune_log.addHandler(warnings)
+    try:
+        result = run_sweep(
+            recipe.sweep_spec(),
+            data,
+            progress=lambda done, total, row: seen.append((done, total, row["status"])),
+        )
+    finally:
+        tune_log.removeHandler(warnings)
+    return recipe, data, result, seen, warnings.messages
+
+
+class _Collected(logging.Handler):
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def test_sweep_trains_every_trial_and_writes_the_table(sweep_setup):
     """Multi-horizon: one run per size gives a point at each budget (a decay branch at the smaller one)."""
-    recipe, _, result, seen = sweep_setup
+    recipe, _, result, seen, warnings = sweep_setup
     plans, _ = plan_trials(recipe.sweep_spec())
     rows = pq.read_table(result.results).to_pylist()
     assert len(plans) == result.n_trials == result.n_completed == 2
     assert len(rows) == result.n_points == 4
+    assert not warnings, warnings  # Tune found every trial's results (it warned when it could not)
     pairs = [
         (plan, budget, steps)
         for plan in plans
@@ -97,7 +115,7 @@ def test_sweep_trains_every_trial_and_writes_the_table(sweep_setup):
 
 
 def test_trials_are_nested_mlflow_runs_under_the_sweep(sweep_setup):
-    recipe, _, result, _ = sweep_setup
+    recipe, _, result, _, _ = sweep_setup
     client = mlflow.MlflowClient(tracking_uri(recipe.tracking, recipe.output_dir))
     parent = client.get_run(result.mlflow_run_id)
     assert parent.info.status == "FINISHED"
@@ -112,13 +130,13 @@ def test_trials_are_nested_mlflow_runs_under_the_sweep(sweep_setup):
 
 
 def test_rerun_skips_finished_work(sweep_setup):
-    recipe, data, result, _ = sweep_setup
+    recipe, data, result, _, _ = sweep_setup
     again = run_sweep(recipe.sweep_spec(), data)
     assert again == result  # the finished sweep is returned as is
 
 
 def test_rerun_after_a_lost_sweep_manifest_reuses_finished_trials(sweep_setup):
-    recipe, data, result, _ = sweep_setup
+    recipe, data, result, _, _ = sweep_setup
     manifest, table = Path(result.sweep_dir) / "manifest.json", Path(result.results)
     saved = {manifest: manifest.read_bytes(), table: table.read_bytes()}
     manifest.unlink()
@@ -160,7 +178,7 @@ def test_cli_sweep_stops_its_trials_at_a_checkpoint_and_the_rerun_finishes_them(
     """SIGTERM to `lmforge sweep` (its live progress bar, a rich bar in a Tune callback, cannot be pickled: it runs):
     the running trial (a Ray actor's thread, which signals never reach) checkpoints after its current step and the
     command ends in one line; the rerun resumes the trial from that checkpoint, every step trained once."""
-    recipe, _, _, _ = sweep_setup
+    recipe, _, _, _, _ = sweep_setup
     out = Path(recipe.output_dir)
     args = lmforge_command(
         "sweep", "smoke", *with_sets(smoke_overrides(out, "sweep.budgets=[1e11]", "sweep.depths=[2]"))

@@ -403,6 +403,7 @@ def _run_trials(
     if not todo:
         return 0.0, 0.0
     from ray import tune
+    from ray.tune.logger import JsonLoggerCallback
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     ensure_ray(int(sweep.max_concurrent * sweep.cpus_per_trial))
@@ -424,9 +425,9 @@ def _run_trials(
         report_every=sweep.report_every,
         stop_file=str(stop_file),
     )
-    os.environ.setdefault(
-        "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1"
-    )  # results go to MLflow and results.parquet
+    # results go to MLflow and results.parquet; of Tune's own logs only the JSON one, which its result grid reads
+    # each trial's metrics from (without it, every sweep ended in a warning that no result.json was found)
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     tuner = tune.Tuner(
         tune.with_resources(trainable, {"cpu": sweep.cpus_per_trial, "gpu": sweep.gpus_per_trial}),
         param_space={"trial": tune.grid_search(list(range(len(todo))))},
@@ -441,7 +442,10 @@ def _run_trials(
             storage_path=str((sweep_dir / "tune").resolve()),
             name=f"sweep-{int(time.time())}",
             verbose=0,
-            callbacks=[_progress_callback(progress, len(rows), total)] if progress else None,
+            callbacks=[
+                JsonLoggerCallback(),
+                *([_progress_callback(progress, len(rows), total)] if progress else []),
+            ],
         ),
     )
     t0 = time.perf_counter()
