@@ -55,7 +55,7 @@ def run_workers(
     stop_file = None if isinstance(storage, Store) else (storage / "STOP").resolve()
     if stop_file is not None:
         stop_file.with_suffix(".done").unlink(missing_ok=True)  # an earlier attempt's mark
-    trainer = (_for_private_instance(TorchTrainer) if private else TorchTrainer)(
+    trainer = _lean(TorchTrainer, private)(
         _stoppable,
         train_loop_config={**spec, "worker": worker, "stop_file": str(stop_file) if stop_file else None},
         scaling_config=scaling,
@@ -92,26 +92,29 @@ def _stoppable(config: dict[str, Any]) -> None:
             Path(config["stop_file"]).with_suffix(".done").touch()
 
 
-def _for_private_instance(trainer: type) -> type:
-    """`trainer` without the helpers a private Ray instance (one that dies with this process, on one node) does
-    not need, each an actor process that imports Ray Train (~1.3 s of CPU) on the way to the first step:
-    the placement-group cleaner, which frees the workers' resources if the controller dies (its state-API polling,
-    with no dashboard here, also held every shutdown for 12 s: "Monitor thread did not exit"); the Ray Data
-    dataset manager (lmforge's workers read their shards themselves); and the preemption watcher (no node of a
-    private instance is preempted)."""
+def _lean(trainer: type, private: bool) -> type:
+    """`trainer` without the helpers lmforge's runs do not need, each an actor process that imports Ray Train
+    (~1.3 s of CPU) on the way to the first step, and again at every restart of the workers: the Ray Data dataset
+    manager (lmforge's workers read their shards themselves). On a private Ray instance (one that dies with this
+    process, on one node) also the placement-group cleaner, which frees the workers' resources if the controller
+    dies (its state-API polling, with no dashboard there, also held every shutdown for 12 s: "Monitor thread did
+    not exit"), and the preemption watcher (no node of a private instance is preempted; on a cluster it stays)."""
 
-    class PrivateInstanceTrainer(trainer):
+    class LeanTrainer(trainer):
         def _create_default_callbacks(self) -> list[Any]:
-            unneeded = {"PlacementGroupCleanerCallback", *(() if self.datasets else ("DatasetsCallback",))}
+            unneeded = set() if self.datasets else {"DatasetsCallback"}
+            if private:
+                unneeded.add("PlacementGroupCleanerCallback")
             return [c for c in super()._create_default_callbacks() if type(c).__name__ not in unneeded]
 
         def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
-            with _environment(
-                RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0"
-            ):  # the controller's, passed on at its start
+            if not private:
+                return super()._initialize_and_run_controller(**kwargs)
+            # read by the controller, which takes it with it when it starts
+            with _environment(RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0"):
                 return super()._initialize_and_run_controller(**kwargs)
 
-    return PrivateInstanceTrainer
+    return LeanTrainer
 
 
 @contextmanager
