@@ -371,12 +371,16 @@ def stop_all(services: Sequence[Running], timeout: float = 10.0) -> None:
     a process started during the shutdown is not missed by the final SIGKILL."""
     signalled: set[int] = set()
     deadline = time.monotonic() + timeout
-    while (groups := [(running, _live(running)) for running in services]) and any(p for _, p in groups):
+    while True:
+        groups = [(running, _live(running)) for running in services]
+        alive = [proc for _, procs in groups for proc in procs]
+        if not alive:
+            return
         if time.monotonic() > deadline:
-            for proc in (p for _, procs in groups for p in procs):
+            for proc in alive:
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
-            psutil.wait_procs([p for _, procs in groups for p in procs], timeout=5)
+            psutil.wait_procs(alive, timeout=5)
             return
         for running, procs in groups:
             leader_alive = any(proc.pid == running.pid for proc in procs)
@@ -385,9 +389,7 @@ def stop_all(services: Sequence[Running], timeout: float = 10.0) -> None:
                     with contextlib.suppress(psutil.Error):
                         proc.terminate()
                     signalled.add(proc.pid)
-        psutil.wait_procs(
-            [p for _, procs in groups for p in procs], timeout=0.2
-        )  # reaps the ones that are ours
+        psutil.wait_procs(alive, timeout=0.2)  # also reaps those that are this process's children
 
 
 def _live(running: Running) -> list[psutil.Process]:
