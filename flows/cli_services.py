@@ -251,6 +251,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if prefect is None:
             raise ValueError("no Prefect server: run `lmforge up` first, or set PREFECT_API_URL")
         os.environ["PREFECT_API_URL"] = f"{prefect.url}/api"
+    # a Run button's flow run starts within ~2 s (Prefect's runner looks for scheduled runs every 10 s by default)
+    os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "2")
     from prefect import serve
 
     from flows.pipeline import FLOWS
