@@ -21,25 +21,22 @@ STATE_DIR = Path(".lmforge")
 def prefect_api(state_dir: Path) -> Iterator[str]:
     """PREFECT_API_URL if set (a running server), else a temporary local server whose database persists in
     `<state_dir>/prefect`, so the Prefect UI can show the runs afterwards."""
+    from infra.environment import environment
     from infra.services import free_port, prefect_env, start_prefect, stop
 
     if os.environ.get("PREFECT_API_URL"):
         yield os.environ["PREFECT_API_URL"]
         return
     running = start_prefect(state_dir, port=free_port())
-    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
-    os.environ.update(PREFECT_API_URL=f"{running.url}/api", **prefect_env(state_dir))
-    try:
-        with exit_on_sigterm():  # a scheduler's SIGTERM still stops the server (it runs in its own session)
-            yield os.environ["PREFECT_API_URL"]
-    finally:
-        _drain_prefect_logs()  # send queued run logs while the server is still up
-        stop(running)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with environment(PREFECT_API_URL=f"{running.url}/api", **prefect_env(state_dir)):
+        try:
+            with (
+                exit_on_sigterm()
+            ):  # a scheduler's SIGTERM still stops the server (it runs in its own session)
+                yield os.environ["PREFECT_API_URL"]
+        finally:
+            _drain_prefect_logs()  # send queued run logs while the server is still up
+            stop(running)
 
 
 @contextmanager

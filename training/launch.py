@@ -7,13 +7,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from infra.environment import environment
 from infra.errors import Preempted, UserError
 from infra.object_store import Store
 from infra.ray_cluster import ensure_ray, quiet_exits_in_callbacks
@@ -121,25 +121,10 @@ def _lean(trainer: type, private: bool) -> type:
             if not private:
                 return super()._initialize_and_run_controller(**kwargs)
             # read by the controller, which takes it with it when it starts
-            with _environment(RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0"):
+            with environment(RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0"):
                 return super()._initialize_and_run_controller(**kwargs)
 
     return LeanTrainer
-
-
-@contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    """`values` in this process's environment within the block, restored after it."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def run_elastic(

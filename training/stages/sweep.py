@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.shards import DatasetManifest
 from infra.config import override
+from infra.environment import environment
 from infra.errors import Preempted
 from infra.object_store import is_remote
 from infra.ray_cluster import ensure_ray, quiet_exits_in_callbacks
@@ -449,18 +450,13 @@ def _run_trials(
         ),
     )
     t0 = time.perf_counter()
-    tune_handler = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
-    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # Ctrl-C too: the trials checkpoint rather than die
-    try:
-        with stop_file_on_signals(
+    with (
+        environment(TUNE_DISABLE_SIGINT_HANDLER="1"),  # Ctrl-C too: the trials checkpoint rather than die
+        stop_file_on_signals(
             stop_file, "the sweep's running trials (those not started wait for the rerun)"
-        ) as stop:
-            grid = tuner.fit()
-    finally:
-        if tune_handler is None:
-            os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER")
-        else:
-            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = tune_handler
+        ) as stop,
+    ):
+        grid = tuner.fit()
     wall, trial_seconds = time.perf_counter() - t0, 0.0
     stopped = []
     for result in grid:
