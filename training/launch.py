@@ -98,24 +98,26 @@ def _lean(trainer: type, private: bool) -> type:
     manager (lmforge's workers read their shards themselves). On a private Ray instance (one that dies with this
     process, on one node) also the placement-group cleaner, which frees the workers' resources if the controller
     dies (its state-API polling, with no dashboard there, also held every shutdown for 12 s: "Monitor thread did
-    not exit"), and the preemption watcher (no node of a private instance is preempted; on a cluster it stays)."""
+    not exit"), and the preemption watcher (no node of a private instance is preempted). On a cluster both stay,
+    the cleaner with a shorter state-API timeout."""
 
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     class LeanTrainer(trainer):
         def _create_default_callbacks(self) -> list[Any]:
-            unneeded = set() if self.datasets else {"DatasetsCallback"}
-            if private:
-                unneeded.add("PlacementGroupCleanerCallback")
-            kept = [c for c in super()._create_default_callbacks() if type(c).__name__ not in unneeded]
-            # on a cluster the cleaner's each look at the controller (the state API) may wait its whole timeout,
-            # 10 s by default, and stopping the cleaner waits for that look: every run's end took 12 s longer
-            return [
-                PlacementGroupCleanerCallback(get_actor_timeout_s=2.0)
-                if isinstance(c, PlacementGroupCleanerCallback)
-                else c
-                for c in kept
-            ]
+            callbacks = []
+            for callback in super()._create_default_callbacks():
+                if isinstance(callback, DatasetsCallback) and not self.datasets:
+                    continue
+                if isinstance(callback, PlacementGroupCleanerCallback):
+                    if private:
+                        continue
+                    # on a cluster its each look at the controller (the state API) may wait out its whole timeout,
+                    # 10 s by default, and stopping the cleaner waits for that look: every run ended 12 s later
+                    callback = PlacementGroupCleanerCallback(get_actor_timeout_s=2.0)
+                callbacks.append(callback)
+            return callbacks
 
         def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
             if not private:
