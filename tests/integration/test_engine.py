@@ -206,8 +206,8 @@ def test_activation_checkpointing_changes_nothing_but_memory(
 
 
 def test_compiled_blocks_train_as_eager_does(tokenized: tuple[DatasetManifest, Path], tmp_path: Path) -> None:
-    """torch.compile (Inductor's CPU backend here) of the blocks and the head: the same losses and weights as eager after 3
-    steps, to fp32 rounding; activation checkpointing over compiled blocks too."""
+    """torch.compile (Inductor's CPU backend here) of the blocks and the head: the same losses and weights as
+    eager after 3 steps, to fp32 rounding; activation checkpointing over compiled blocks too."""
     manifest, _ = tokenized
     recipe = load_recipe("smoke")
     weights = {}

@@ -7,6 +7,7 @@ import logging
 import signal
 import subprocess
 import time
+from logging.handlers import BufferingHandler
 from pathlib import Path
 
 import mlflow
@@ -37,7 +38,8 @@ def sweep_setup(tmp_path_factory):
         ),
     )
     data = run_tokenize(recipe.data, recipe.output_dir)
-    seen, warnings = [], _Collected(logging.WARNING)
+    seen, warnings = [], BufferingHandler(capacity=10_000)  # keeps every record it is given
+    warnings.setLevel(logging.WARNING)
     tune_log = logging.getLogger("ray.tune")  # Ray's loggers do not reach pytest's capture
     tune_log.addHandler(warnings)
     try:
@@ -48,16 +50,7 @@ def sweep_setup(tmp_path_factory):
         )
     finally:
         tune_log.removeHandler(warnings)
-    return recipe, data, result, seen, warnings.messages
-
-
-class _Collected(logging.Handler):
-    def __init__(self, level: int) -> None:
-        super().__init__(level)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+    return recipe, data, result, seen, [record.getMessage() for record in warnings.buffer]
 
 
 def test_sweep_trains_every_trial_and_writes_the_table(sweep_setup):
