@@ -269,6 +269,10 @@ def test_a_run_continues_on_another_number_of_workers(
     run_dir = stopped_copy(Path(on_one.run_dir), out / "pretrain", 5)
     on_two = pretrain(out, *settings, workers=2)  # one Ray launch: 2 workers from step 5 to 20
     assert Path(on_two.run_dir) == run_dir and on_two.mlflow_run_id == on_one.mlflow_run_id
+    import ray
+
+    # the private instance has no autoscaler: Ray Train started no coordinator actor to ask one (training/launch.py)
+    assert ray.util.list_named_actors(all_namespaces=True) == []
     assert logged_once(run_dir, 5), "steps before the checkpoint were trained twice: a restart"
     again = stopped_copy(run_dir, tmp_path / "again" / "pretrain", 10)
     with caplog.at_level(logging.INFO, logger="training.loop"):
