@@ -18,11 +18,14 @@ install: $(STAMP)
 # took ~24 s) so resolving the project never pulls a CUDA build;
 # constraints.txt holds the versions the tests (and the golden loss curve) were made with. uv resolves and installs
 # the ~230 packages in seconds (pip took ~4 minutes here); pip, which reads pip.conf mirrors, is the fallback.
-# Packages are installed with their bytecode compiled: where PYTHONDONTWRITEBYTECODE is set (it is on our machines),
-# Python never writes .pyc files, and every process (each `lmforge` launch, each Ray worker) compiled the ~15 s of
-# source it imports again; it still reads .pyc files that exist. That includes torch's own wheel: installed without
-# them, every process compiled the ~1,200 torch modules it imports (`lmforge pretrain` 3.2 s of its 13.7, and each Ray
-# worker again). `bytecode` does the same for lmforge's own code.
+# Bytecode: where PYTHONDONTWRITEBYTECODE is set (it is on our machines), Python never writes .pyc files, and every
+# process (each `lmforge` launch, each Ray worker) compiled the ~15 s of source it imports again; it still reads .pyc
+# files that exist. torch's wheel is installed with its bytecode (3 s: every process imports ~1,200 of its modules;
+# without it `lmforge pretrain` spent 3.2 s of its 13.7 compiling them, and each Ray worker again). The other ~230
+# packages are not (compiling all of them took 28 s of the 40 s install, mostly modules nothing imports: the
+# transformers models other than Llama, Ray's RLlib, moto's services): the make targets below let Python write the
+# bytecode of each module the first time any process imports it. `bytecode` compiles lmforge's own code.
+export PYTHONDONTWRITEBYTECODE :=
 # curvlinops (the tests' K-FAC reference) and what it imports, without its backpack -> torchvision requirement:
 # PyPI's torchvision breaks `transformers` imports beside the CPU torch build (see pyproject.toml).
 TEST_ONLY_NO_DEPS := curvlinops-for-pytorch einconv linear_operator opt_einsum
@@ -31,9 +34,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip uv
 	$(if $(PIP_FIND_LINKS),$(VENV)/bin/uv pip install -q --python $(PY) --no-index --no-deps --compile-bytecode $(foreach dir,$(PIP_FIND_LINKS),--find-links $(dir)) "$(TORCH)" ||) \
 	  $(PY) -m pip install -q "$(TORCH)"
-	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -c constraints.txt -e ".[dev]" \
+	$(VENV)/bin/uv pip install -q --python $(PY) -c constraints.txt -e ".[dev]" \
 	  || $(PY) -m pip install -q -c constraints.txt -e ".[dev]"
-	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps --compile-bytecode -c constraints.txt $(TEST_ONLY_NO_DEPS) \
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps -c constraints.txt $(TEST_ONLY_NO_DEPS) \
 	  || $(PY) -m pip install -q --no-deps -c constraints.txt $(TEST_ONLY_NO_DEPS)
 	touch $(STAMP)
 
