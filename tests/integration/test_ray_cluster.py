@@ -106,11 +106,11 @@ def _start_nodes(
     deadline = time.monotonic() + 180
     while not _alive_nodes(address):
         assert time.monotonic() < deadline, "the head did not come up; see " + nodes[0].log
-        time.sleep(1)
+        time.sleep(0.2)
     nodes.append(_start(second, {**env, "LMFORGE_CACHE": f"{temp}/cache-second"}, temp, "second"))
     while len(_alive_nodes(address)) < 2:
         assert time.monotonic() < deadline, "the second node did not join; see " + nodes[1].log
-        time.sleep(1)
+        time.sleep(0.2)
     return nodes
 
 
@@ -149,7 +149,7 @@ def _wait(address: str, job_id: str, timeout: float = 900) -> str:
     deadline = time.monotonic() + timeout
     while (status := ray_jobs.status(address, job_id)) not in ray_jobs.TERMINAL:
         assert time.monotonic() < deadline, f"job {job_id} still {status}"
-        time.sleep(1)
+        time.sleep(0.2)
     return status
 
 
