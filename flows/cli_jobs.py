@@ -16,13 +16,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     load_recipe(args.recipe, args.set)  # refuse a bad recipe here, not on the cluster
     command = [args.stage, args.recipe, *args.extra, *[item for s in args.set for item in ("--set", s)]]
-    job_id = ray_jobs.submit(args.address, command, args.working_dir, submission_id=args.submission_id)
-    print(f"submitted {job_id} to {args.address}: lmforge {' '.join(command)}")
-    if args.no_follow:
-        return 0
-    for text in ray_jobs.follow(args.address, job_id):
-        sys.stdout.write(text)
-    final = ray_jobs.status(args.address, job_id)
+    with ray_jobs.cluster_errors(args.address):
+        job_id = ray_jobs.submit(args.address, command, args.working_dir, submission_id=args.submission_id)
+        print(f"submitted {job_id} to {args.address}: lmforge {' '.join(command)}")
+        if args.no_follow:
+            return 0
+        for text in ray_jobs.follow(args.address, job_id):
+            sys.stdout.write(text)
+        final = ray_jobs.status(args.address, job_id)
     print(f"job {job_id}: {final}")
     return 0 if final == "SUCCEEDED" else 1
 
@@ -30,13 +31,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     from infra import ray_jobs
 
-    if args.action == "list":
-        print(json.dumps(ray_jobs.list_jobs(args.address), indent=2, default=str))
-    elif args.action == "stop":
-        print(f"stop {args.job_id}: {ray_jobs.stop(args.address, args.job_id)}")
-    elif args.action == "logs":
-        for text in ray_jobs.follow(args.address, args.job_id):
-            sys.stdout.write(text)
+    with ray_jobs.cluster_errors(args.address):
+        if args.action == "list":
+            print(json.dumps(ray_jobs.list_jobs(args.address), indent=2, default=str))
+        elif args.action == "stop":
+            print(f"stop {args.job_id}: {ray_jobs.stop(args.address, args.job_id)}")
+        elif args.action == "logs":
+            for text in ray_jobs.follow(args.address, args.job_id):
+                sys.stdout.write(text)
     return 0
 
 

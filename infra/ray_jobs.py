@@ -10,7 +10,10 @@ import os
 import shlex
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+from infra.errors import UserError
 
 FORWARDED_ENV = (  # passed to the job by name, so secrets never appear in the command line
     "LMFORGE_TRACKING_URI",
@@ -34,6 +37,39 @@ def client(address: str) -> Any:
     from ray.job_submission import JobSubmissionClient
 
     return JobSubmissionClient(address)
+
+
+@contextmanager
+def cluster_errors(address: str) -> Iterator[None]:
+    """What a cluster answers instead of doing the request (no cluster at `address`, a refused token, a node whose
+    job agent is not up yet) as one line naming the address and the fix: Ray's client raises them as
+    ConnectionError, AuthenticationError and RuntimeError("Request failed with status code ...")."""
+    from ray.exceptions import AuthenticationError
+
+    try:
+        yield
+    except AuthenticationError as error:
+        raise UserError(
+            f"the Ray cluster at {address} refused the token ({str(error).splitlines()[0]}): set RAY_AUTH_TOKEN "
+            "(or RAY_AUTH_TOKEN_PATH) to the cluster's token"
+        ) from error
+    except ConnectionError as error:
+        raise UserError(
+            f"no Ray cluster answers at {address}: start one (`lmforge up`, or `ray start --head` on a node) or "
+            "pass its dashboard's address with --address"
+        ) from error
+    except RuntimeError as error:
+        if str(error).startswith("Version check returned 404"):
+            raise UserError(
+                f"{address} is not a Ray dashboard (its /api/version is missing): pass the Ray dashboard's address "
+                "(port 8265 by default) with --address"
+            ) from error
+        if not str(error).startswith("Request failed with status code"):
+            raise
+        raise UserError(
+            f"the Ray cluster at {address} refused the request ({str(error).splitlines()[0]}); a cluster still "
+            "starting takes a few seconds to accept jobs: retry"
+        ) from error
 
 
 def submit(

@@ -23,7 +23,15 @@ import pytest
 from infra import ray_jobs
 from infra.object_store import Store, open_store
 from infra.services import Running, free_port, start_mlflow, stop_all
-from tests.pretrain_helpers import GOLDEN, clean_env, cli, logged_once, losses, smoke_overrides
+from tests.pretrain_helpers import (
+    GOLDEN,
+    clean_env,
+    cli,
+    lmforge_command,
+    logged_once,
+    losses,
+    smoke_overrides,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RAY = str(Path(os.sys.executable).with_name("ray"))
@@ -46,6 +54,9 @@ def cluster(tmp_path_factory, s3):
     port, dashboard = free_port(), free_port()
     temp = tempfile.mkdtemp(prefix="lmray", dir="/tmp")  # short: Ray's socket paths have a length limit
     common = ["--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
+    # two nodes on one host: each dashboard agent needs an HTTP port of its own (Ray's default, 52365, for both made
+    # the agent that bound second fail; when that was the head's, every job submission got "No available agent")
+    agent_ports = [["--dashboard-agent-listen-port", str(free_port())] for _ in range(2)]
     head = [
         RAY,
         "start",
@@ -64,6 +75,7 @@ def cluster(tmp_path_factory, s3):
         "--temp-dir",
         temp,
         *common,
+        *agent_ports[0],
     ]
     second = [
         RAY,
@@ -76,6 +88,7 @@ def cluster(tmp_path_factory, s3):
         "--resources",
         '{"second_node": 1}',
         *common,
+        *agent_ports[1],
     ]
     state = tmp_path_factory.mktemp("mlflow")
     with ThreadPoolExecutor(1) as pool:  # the MLflow server starts while the nodes do
@@ -229,6 +242,15 @@ def test_jobs_api_refuses_requests_without_the_token(cluster):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"{address}/api/jobs/", timeout=10)
     assert refused.value.code in (401, 403)
+    # `lmforge jobs` without the token: one line, not Ray's traceback
+    env = {k: v for k, v in clean_env().items() if k != "RAY_AUTH_TOKEN"}
+    listed = subprocess.run(
+        lmforge_command("jobs", "list", "--address", address), capture_output=True, text=True, env=env
+    )
+    assert listed.returncode == 2 and "Traceback" not in listed.stderr, listed.stderr[-3000:]
+    (line,) = listed.stderr.splitlines()
+    assert line.startswith(f"lmforge: error: the Ray cluster at {address} refused the token"), line
+    assert "RAY_AUTH_TOKEN" in line  # the fix
 
 
 def test_submit_and_jobs_commands(cluster, tmp_path):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -218,3 +220,63 @@ def test_an_interrupt_says_so_and_how_to_resume(capsys: pytest.CaptureFixture[st
     monkeypatch.setattr(flows.cli_scaling, "cmd_fit_scaling", interrupted)
     assert main(["fit-scaling", "table.csv"]) == 130
     assert capsys.readouterr().err.strip() == "lmforge: interrupted; rerun the same command to resume"
+
+
+def test_job_commands_without_a_cluster_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from infra.services import free_port
+
+    address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["jobs", "list", "--address", address]) == 2
+    assert main(["submit", "tokenize", "smoke", "--address", address, "--no-follow"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert all(x.startswith(f"lmforge: error: no Ray cluster answers at {address}: ") for x in lines)
+    assert all("--address" in x for x in lines)  # the fix
+
+
+class _Dashboard(http.server.BaseHTTPRequestHandler):
+    """What a Ray dashboard whose head has no job agent yet answers: its version, and 500 to a job submission."""
+
+    def do_GET(self) -> None:  # noqa: N802 - the handler's API
+        if self.path != "/api/version" or "not-ray" in self.server.server_name:
+            self.send_error(404)
+            return
+        self._answer(200, json.dumps({"version": "4", "ray_version": ray_version(), "ray_commit": ""}))
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._answer(500, "No available agent to submit job, please try again later.")
+
+    def _answer(self, status: int, body: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args: object) -> None:
+        return None
+
+
+def ray_version() -> str:
+    from importlib.metadata import version
+
+    return version("ray")
+
+
+@pytest.mark.parametrize("answer", ["not ray", "no agent"])
+def test_what_a_cluster_refuses_is_one_line(capsys: pytest.CaptureFixture[str], answer: str) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Dashboard)
+    server.server_name = "not-ray" if answer == "not ray" else "ray"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert main(["submit", "tokenize", "smoke", "--address", address, "--no-follow"]) == 2
+    finally:
+        server.shutdown()
+    (line,) = capsys.readouterr().err.splitlines()
+    if answer == "not ray":
+        assert line.startswith(f"lmforge: error: {address} is not a Ray dashboard") and "--address" in line
+    else:
+        assert (
+            f"the Ray cluster at {address} refused the request (Request failed with status code 500" in line
+        )
+        assert "retry" in line
