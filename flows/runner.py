@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from infra.ray_cluster import released
+
 if TYPE_CHECKING:
     from flows.recipe import Recipe
     from flows.stage_def import Inputs, StageDef
@@ -49,7 +51,8 @@ class Direct:
         return artifact
 
     def run(self, stage: StageDef[Any], recipe: Recipe, inputs: Inputs) -> Any:
-        """Check the inputs (bad settings end in one line before any progress bar starts), then run."""
+        """Check the inputs (bad settings end in one line before any progress bar starts), then run; a Ray
+        instance the stage starts ends with it (`infra.ray_cluster.released`)."""
         if stage.check is not None:
             stage.check(recipe, inputs)
         total = stage.total(recipe, inputs) if stage.total is not None else None
@@ -60,7 +63,8 @@ class Direct:
             progress = self.trials(stage.name)
         elif stage.progress == "items":
             progress = self.items(stage.name, total)
-        return stage.run(recipe, inputs, progress)
+        with released():
+            return stage.run(recipe, inputs, progress)
 
     def steps(self, name: str, total: int) -> StepProgress | None:
         return every_tenth(total, name)
