@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,16 @@ def _isolated_tracking_uri():
 
         utils._tracking_uri = None
         registry._registry_uri = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_ends_with_its_module():
+    """A private Ray instance a module's tests started (they share it) is shut down with the module: the sweep
+    tests' stayed up, idle, beside every later module of the run."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture

@@ -32,17 +32,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def pretrain(output_dir: Path, *extra: str, workers: int | None = None) -> TrainedModel:
     """The smoke recipe trained from this process: one worker in the process, or `workers` Ray Train workers on
-    this module's Ray instance."""
+    this module's Ray instance (shut down with the module: tests/conftest.py)."""
     return pretrain_here(output_dir, *extra, *([f"parallel.world_size={workers}"] if workers else []))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_ray_instance():
-    """The multi-worker runs share the private Ray instance the first of them starts; none outlives the module."""
-    yield
-    import ray
-
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
