@@ -30,9 +30,8 @@ def prefect_api(state_dir: Path) -> Iterator[str]:
     running = start_prefect(state_dir, port=free_port())
     with environment(PREFECT_API_URL=f"{running.url}/api", **prefect_env(state_dir)):
         try:
-            with (
-                exit_on_sigterm()
-            ):  # a scheduler's SIGTERM still stops the server (it runs in its own session)
+            # a scheduler's SIGTERM still stops the server (it runs in its own session)
+            with exit_on_sigterm():
                 yield os.environ["PREFECT_API_URL"]
         finally:
             _drain_prefect_logs()  # send queued run logs while the server is still up

@@ -52,7 +52,7 @@ def released() -> Iterator[None]:
 
 def _connected() -> bool:
     ray = sys.modules.get("ray")  # never imported: never started
-    return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
+    return ray is not None and ray.is_initialized()
 
 
 def quiet_exits_in_callbacks() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -58,10 +57,10 @@ def _isolated_tracking_uri():
 def _ray_ends_with_its_module():
     """A private Ray instance a module's tests started (they share it) is shut down with the module: the sweep
     tests' stayed up, idle, beside every later module of the run."""
-    yield
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+    from infra.ray_cluster import released
+
+    with released():
+        yield
 
 
 @pytest.fixture
