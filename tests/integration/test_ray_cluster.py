@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -38,7 +39,7 @@ RAY = str(Path(os.sys.executable).with_name("ray"))
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, s3):
+def cluster(request, tmp_path_factory, s3):
     token = secrets.token_hex(32)  # token authentication, as every shared cluster should run
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     os.environ.update(
@@ -52,6 +53,7 @@ def cluster(tmp_path_factory, s3):
         f"{Path(RAY).parent}:{env['PATH']}"  # as on a cluster image: `lmforge` is on the nodes' PATH
     )
     port, dashboard = free_port(), free_port()
+    failed_before = request.session.testsfailed
     temp = tempfile.mkdtemp(prefix="lmray", dir="/tmp")  # short: Ray's socket paths have a length limit
     common = ["--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
     # two nodes on one host: each dashboard agent needs an HTTP port of its own (Ray's default, 52365, for both made
@@ -103,6 +105,8 @@ def cluster(tmp_path_factory, s3):
     # graceful exit, nor one grace period per process
     stop_all([ml, *nodes], timeout=2)
     ray.shutdown()
+    if request.session.testsfailed == failed_before:  # the nodes' logs stay for a failure's inspection
+        shutil.rmtree(temp, ignore_errors=True)
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

@@ -19,16 +19,19 @@ def demo(*overrides: str):
     return load_recipe("demo", ["output_dir=/tmp/unused", *overrides])
 
 
-def test_demo_sweep_brackets_a_decade_with_one_run_per_size():
+def test_demo_sweep_brackets_a_decade_with_one_run_per_size_and_seed():
     recipe = demo()
     plans, skipped = plan_trials(recipe.sweep_spec())
-    assert not skipped and len(plans) == len(recipe.sweep.sizes) == 7
-    sizes = [p.n_active for p in plans]
+    assert recipe.sweep.seeds == [0, 1]
+    assert not skipped and len(plans) == 2 * len(recipe.sweep.sizes) == 14
+    assert [p.seed for p in plans] == [0, 1] * 7  # each size's replicas side by side
+    assert [p.model for p in plans[::2]] == [p.model for p in plans[1::2]]
+    sizes = [p.n_active for p in plans[::2]]
     assert sizes == sorted(sizes) and sizes[-1] / sizes[0] >= 10
     for plan in plans:
         assert plan.budgets == sorted(recipe.sweep.budgets)  # one point per budget
         assert plan.steps == sorted(plan.steps) and plan.steps[0] >= recipe.sweep.min_steps == 100
-        assert plan.shape.warmup == round(0.1 * plan.steps[0])
+        assert plan.shape.warmup == max(round(0.1 * plan.steps[0]), 60)
         assert plan.batch & (plan.batch - 1) == 0  # a power of two
         for budget, steps in zip(plan.budgets, plan.steps, strict=True):
             assert 6 * plan.n_active * steps * plan.tokens_per_step == pytest.approx(budget, rel=0.05)
@@ -215,7 +218,7 @@ def test_seed_replicas_are_runs_of_their_own(tmp_path):
     of its own (the best learning rate is chosen per seed, never the luckier seed's loss per point)."""
     recipe = demo("sweep.seeds=[0, 1]", "sweep.lrs=[0.004, 0.008]", "sweep.lr_batch_exponent=0")
     plans, _ = plan_trials(recipe.sweep_spec())
-    single, _ = plan_trials(demo().sweep_spec())
+    single, _ = plan_trials(demo("sweep.seeds=[]").sweep_spec())
     assert len(plans) == 4 * len(single) and len({p.name for p in plans}) == len(plans)
     specs = [trial_spec(recipe.sweep_spec(), p, None) for p in plans]
     assert sorted({(s.train.seed, s.optim.lr) for s in specs}) == [
@@ -225,7 +228,8 @@ def test_seed_replicas_are_runs_of_their_own(tmp_path):
         (1, 0.008),
     ]
     assert (
-        trial_spec(demo().sweep_spec(), single[0], None).name == f"demo-sweep-{single[0].name}"
+        trial_spec(demo("sweep.seeds=[]").sweep_spec(), single[0], None).name
+        == f"demo-sweep-{single[0].name}"
     )  # unchanged
     rows = [
         {
