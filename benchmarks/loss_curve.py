@@ -1,6 +1,8 @@
 """How well the loss-curve law predicts curves it has not seen, on a finished pipeline's outputs (`make demo`'s by
 default): fitted on every sweep run, its in-sample error; fitted without one run, its error on that run's points
-(each run in turn); and the rung's curve against the prediction its fit.json recorded before it trained.
+(each run in turn), anchored to the point law refitted without the run as the rung's curve is, and alone; how far
+one seed's curve strays from its seeds' mean (the floor under any law's error on one run); and the rung's curve
+against the prediction its fit.json recorded before it trained.
 
     .venv/bin/python benchmarks/loss_curve.py [outputs] [--recipe demo]
 
@@ -18,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from evaluation.loss_curve import fit_curve_law  # noqa: E402
+from evaluation.law_noise import calibrated_fit  # noqa: E402
+from evaluation.loss_curve import Anchor, fit_curve_law  # noqa: E402
 from flows.scaling import sweep_curves, sweep_points  # noqa: E402
 
 
@@ -38,10 +41,14 @@ def main() -> None:
         sys.exit(
             f"no {args.recipe} sweep under {out}/sweep: run `make demo` (or the recipe's pipeline) first"
         )
-    points = sweep_curves(sweep_points(source), args.min_step)
+    table = sweep_points(source)
+    points = sweep_curves(table, args.min_step)
     if points is None:
         sys.exit(f"{source}: its runs' directories are not on this machine")
-    fit = fit_curve_law(points)
+    point_law = calibrated_fit(table, n_resamples=10)
+    anchor = Anchor(table, point_law.fit.law, point_law.delta)
+    fit = fit_curve_law(points, start=point_law.fit.law.as_dict(), anchor=anchor)
+    alone = fit_curve_law(points, start=point_law.fit.law.as_dict())
     record: dict = {
         "benchmark": "loss_curve",
         "sweep": str(source),
@@ -49,6 +56,9 @@ def main() -> None:
         "runs": len(points.runs),
     }
     record |= {k: v for k, v in fit.summary().items() if k != "law"}
+    record |= {
+        f"unanchored_{k}": alone.summary()[k] for k in ("held_out_mean_rel_error", "held_out_rel_error_95")
+    }
     curve = rung_fit.get("rung", {}).get("curve")
     if curve and curve.get("measured"):
         record |= {

@@ -42,8 +42,8 @@ def write_plots(
 
 def _curve(fit: Any, curves: CurvePoints, path: Path) -> None:
     """Left: the loss-curve law against every validation point of the sweep. Right: the rung's curve as predicted
-    before it trained (pinned to the point law's end, with the held-out runs' band and the goal), as measured, and
-    the end point under other schedules."""
+    before it trained (anchored to the point law, with the held-out runs' band and the goal), as measured, and the
+    end point under other schedules."""
     law = CurveLaw(**fit.curve_law["law"])
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     dots = left.scatter(
@@ -99,7 +99,9 @@ def _curve(fit: Any, curves: CurvePoints, path: Path) -> None:
             right.plot(tokens[-1], value, marker, ls="none", mfc="none", label=f"{name}: {value:.4f}")
         if rung.curve_law_end is not None:
             end = rung.curve_law_end
-            right.plot(tokens[-1], end, "x", color="gray", label=f"the curve law alone (unpinned): {end:.4f}")
+            right.plot(
+                tokens[-1], end, "x", color="gray", label=f"the curve law alone (unanchored): {end:.4f}"
+            )
     right.set(
         xlabel="tokens (millions)",
         ylabel="validation loss (nats/token)",

@@ -41,16 +41,17 @@ class ComputeOptimal(BaseModel):
 
 
 class CurvePrediction(BaseModel):
-    """The rung's validation curve as the loss-curve law predicts it before the run (at the steps the run will
-    evaluate; its end pinned to the point law's prediction), the end point under other schedules (same N and D),
-    and once trained the measured curve."""
+    """The rung's validation curve as predicted before the run (at the steps the run will evaluate; anchored to
+    the point law at each, `flows.scaling.rung_curve`), the end point under other schedules (same N and D), and
+    once trained the measured curve."""
 
     steps: list[int]
     tokens: list[float]
     loss: list[float]
     schedules: dict[str, float]  # the loss at the run's end under other schedules: what it would have reached
     band: float | None = None  # relative: 95% of a held-out sweep run's points were this close to the law
-    curve_law_end: float | None = None  # the curve law's own end point, before the pin
+    seed_spread: float | None = None  # relative: one seed's curve from its seeds' mean, the sweep's median
+    curve_law_end: float | None = None  # the curve law's own end point, unanchored
     measured: list[float | None] | None = None
     max_rel_error: float | None = None
 
@@ -514,8 +515,10 @@ def rung_lines(rung: Prediction | None) -> list[str]:
             line += f" (95% of held-out sweep runs' points within ±{curve.band:.1%} of the law)"
         if curve.max_rel_error is not None:
             line += f", max error {curve.max_rel_error:.2%} (goal ≤ {CURVE_TOLERANCE:.1%})"
+        if curve.seed_spread is not None:
+            line += f"; one seed's curve strays {curve.seed_spread:.2%} from its seeds' mean (sweep median)"
         if curve.curve_law_end is not None:
-            line += f"; pinned to the point law's end (the curve law alone: {curve.curve_law_end:.4f})"
+            line += f"; anchored to the point law (the curve law alone ends at {curve.curve_law_end:.4f})"
         others = ", ".join(f"{k} {v:.4f}" for k, v in curve.schedules.items())
         lines += [line, f"  The end point under other schedules: {others}"]
     second = rung.second_form

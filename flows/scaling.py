@@ -7,6 +7,7 @@ another step (`<output_dir>/rung/<name>-<hash>/`) holding fit.json and the plots
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from dataclasses import replace
@@ -18,9 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_pipeline.shards import DatasetManifest
+from evaluation.chinchilla_fit import HUBER_DELTA, Law
 from evaluation.kaplan_fit import fit_kaplan
 from evaluation.law_noise import calibrated_fit
-from evaluation.loss_curve import CurveLaw, CurvePoints, Schedule, fit_curve_law, run_curve
+from evaluation.loss_curve import Anchor, CurveLaw, CurvePoints, Schedule, fit_curve_law, run_curve
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, points_from_table
 from evaluation.scaling_report import (
     CURVE_PLOT,
@@ -38,6 +40,7 @@ from evaluation.scaling_report import (
 )
 from infra.steps import Step, run_step
 from infra.tracking import existing_run
+from training.config import OptimConfig
 from training.sizing import count_n, run_shape, sized_model
 from training.stages.lifecycle import TrainedModel, read_metrics
 from training.stages.sweep import SweepResult
@@ -46,8 +49,9 @@ if TYPE_CHECKING:
     from flows.recipe import Recipe
 
 log = logging.getLogger(__name__)
-# 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned; 5: Kaplan's form beside
-FIT_VERSION = 5
+# 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned; 5: Kaplan's form beside;
+# 6: the curve anchored to the point law at every evaluation
+FIT_VERSION = 6
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
@@ -142,13 +146,16 @@ def _fit(
         )
         updates |= {"task_law": task.fit.law.as_dict(), "task_intervals": task.boot.intervals()}
     curves = sweep_curves(points, recipe.sweep.min_steps)
+    anchor = Anchor(points, fit.to_law(), fit.huber_delta or HUBER_DELTA)
     try:
-        curve_fit = fit_curve_law(curves, start=fit.law) if curves is not None else None
+        curve_fit = fit_curve_law(curves, start=fit.law, anchor=anchor) if curves is not None else None
     except ValueError as e:  # too few points or sizes: the point law stands without the curve
         log.warning("no loss-curve law: %s", e)
         curve_fit = None
     if curve_fit is not None:
-        curve = rung_curve(rung, curve_fit.law, prediction.loss).model_copy(update={"band": curve_fit.band})
+        curve = rung_curve(rung, curve_fit.law, anchor.law, sweep_warmup(points))
+        spread = curve_fit.summary()["seed_spread_median"]
+        curve = curve.model_copy(update={"band": curve_fit.band, "seed_spread": spread})
         prediction = prediction.model_copy(update={"curve": curve})
         updates["curve_law"] = curve_fit.summary()
     try:
@@ -215,37 +222,48 @@ def sweep_curves(points: ScalingPoints, min_step: int = 1) -> CurvePoints | None
     return CurvePoints.concat(curves) if curves else None
 
 
-def rung_curve(rung: Recipe, law: CurveLaw, end: float) -> CurvePrediction:
-    """The rung's validation loss at each step it will evaluate and the end point had the same run used another
-    schedule (no decay, twice the decay, cosine): the loss-curve law's shape, pinned to `end` (the point law's
-    prediction for the rung). The point law is fitted on the annealed end points it predicts; the curve law,
-    fitted on every evaluation, carries the shape but sat 4% above it at the demo's 3x rung (its own end point
-    is kept as `curve_law_end`)."""
+def sweep_warmup(points: ScalingPoints) -> int:
+    """The median warmup (optimiser steps) of the runs behind a sweep's points: the runs the point law describes."""
+    runs = [] if points.run is None else np.unique(points.run).tolist()
+    warmups = [json.loads((Path(r) / "spec.json").read_text())["optim"]["warmup_steps"] for r in runs]
+    return int(np.median(warmups))
+
+
+def rung_curve(rung: Recipe, law: CurveLaw, point_law: Law, warmup: int) -> CurvePrediction:
+    """The rung's validation loss at each step it will evaluate, and at its end had it used another schedule (no
+    decay, twice the decay, cosine): the curve anchored to the point law (`CurveLaw.anchored`): the point law's
+    loss at each evaluation's tokens, that of a run like the sweep's (its `warmup`) decayed there, plus what the
+    rung's schedule adds over that run's by the curve law. The curve law's own end point, which sat 3-4% above
+    the rung's at the demo's 3x rung, is kept as `curve_law_end`."""
     n, _ = rung_size(rung)
     train, optim = rung.train, rung.optim
     steps, every = train.max_steps, train.eval_every
     per_step = train.global_batch(rung.parallel.world_size) * train.seq_len
     evals = [*range(every, steps, every), steps]
-    curve = law.curve(n, Schedule.of(optim, steps, per_step), evals)
-    scale = end / float(curve[-1])
+
+    def reference(step: int) -> Schedule:
+        return Schedule.ending(optim, step, per_step, warmup)
+
+    def anchored(o: OptimConfig, at: list[int]) -> np.ndarray:
+        decayed = point_law.loss(n, np.asarray(at, dtype=float) * per_step)
+        return decayed + law.difference(n, Schedule.of(o, steps, per_step), at, reference)
+
     longer = min(0.5, 2 * optim.decay_fraction)
     variants = {
         "constant": optim.model_copy(update={"schedule": "constant"}),
         f"wsd, {longer:.0%} decay": optim.model_copy(update={"schedule": "wsd", "decay_fraction": longer}),
         "cosine": optim.model_copy(update={"schedule": "cosine"}),
     }
+    curve = anchored(optim, evals)
     return CurvePrediction(
         steps=evals,
         tokens=[float(s * per_step) for s in evals],
-        loss=[float(x * scale) for x in curve],
+        loss=curve.tolist(),
         schedules={
-            "as planned": end,
-            **{
-                k: scale * float(law.curve(n, Schedule.of(o, steps, per_step), [steps])[0])
-                for k, o in variants.items()
-            },
+            "as planned": float(curve[-1]),
+            **{k: float(anchored(o, [steps])[0]) for k, o in variants.items()},
         },
-        curve_law_end=float(curve[-1]),
+        curve_law_end=float(law.curve(n, Schedule.of(optim, steps, per_step), [steps])[0]),
     )
 
 

@@ -3,10 +3,12 @@ fit is told when a sweep has nothing usable."""
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from evaluation.chinchilla_fit import Law
 from evaluation.loss_curve import CurveLaw, Schedule
 from evaluation.scaling_data import ScalingDataError
 from flows.recipe import load_recipe
@@ -69,24 +71,32 @@ def test_rung_is_sized_by_the_sweeps_rules():
     assert "outside the swept sizes" in outside
 
 
-def test_the_rungs_curve_has_the_curve_laws_shape_and_the_point_laws_end():
-    """The predicted curve ends at the point law's loss; each evaluation keeps the curve law's ratio to its end,
-    and so does every other schedule's end point."""
+def test_the_rungs_curve_is_the_point_law_at_each_evaluation_plus_what_its_schedule_adds():
+    """Each evaluation: the point law's loss at its tokens (a run like the sweep's, decayed there) plus the curve
+    law's difference between the rung's schedule and that run's. With the sweep's warmup the rung's own, the end
+    is the point law's prediction; with a shorter one, the rung's longer warmup costs a little on top."""
     rung, _ = size_for_budget(demo(), 8.0e4, 2.4e12)
     law = CurveLaw(E=1.9, A=1900.0, B=0.88, alpha=0.79, beta=0.48, D=0.22, C=0.11)
-    n, _ = rung_size(rung)
+    point = Law(E=1.6, A=700.0, B=2900.0, alpha=0.7, beta=0.53)
+    n, d = rung_size(rung)
     steps, per_step = rung.train.max_steps, rung.train.global_batch_size * rung.train.seq_len
-    curve = rung_curve(rung, law, end=2.33)
-    assert curve.steps[-1] == steps and len(curve.steps) == rung.sweep.curve_points
-    own = law.curve(n, Schedule.of(rung.optim, steps, per_step), curve.steps)
-    assert curve.curve_law_end == pytest.approx(own[-1]) and curve.loss[-1] == pytest.approx(2.33)
-    assert curve.loss == pytest.approx(list(own * 2.33 / own[-1]), rel=1e-9)
-    constant = law.curve(
-        n, Schedule.of(rung.optim.model_copy(update={"schedule": "constant"}), steps, per_step), [steps]
-    )
-    assert curve.schedules["as planned"] == 2.33
-    assert curve.schedules["constant"] == pytest.approx(constant[0] * 2.33 / own[-1])
-    assert curve.schedules["constant"] > 2.33  # no decay: no annealing gain
+    optim, warmup = rung.optim, rung.optim.warmup_steps
+    assert warmup > 100  # a tenth of the rung: longer than the sweep's
+    same = rung_curve(rung, law, point, warmup)
+    assert same.steps[-1] == steps and len(same.steps) == rung.sweep.curve_points
+    tokens = np.array(same.tokens)
+    assert tokens.tolist() == [s * per_step for s in same.steps]
+    assert same.loss[-1] == pytest.approx(float(point.loss(n, d)), rel=1e-12)
+    assert same.schedules["as planned"] == same.loss[-1]
+    assert (np.array(same.loss[:-1]) > point.loss(n, tokens[:-1]) + 0.01).all()  # not decayed yet
+    sweep = rung_curve(rung, law, point, 60)
+    first = same.steps[0]
+    reference = law.curve(n, Schedule.ending(optim, first, per_step, 60), [first])[0]
+    own = law.curve(n, Schedule.of(optim, steps, per_step), [first])[0]
+    assert sweep.loss[0] == pytest.approx(float(point.loss(n, tokens[0])) + own - reference, rel=1e-12)
+    assert float(point.loss(n, d)) < sweep.loss[-1] < float(point.loss(n, d)) * 1.02
+    assert sweep.schedules["constant"] > sweep.schedules["as planned"]  # no decay: no annealing gain
+    assert sweep.curve_law_end == pytest.approx(law.curve(n, Schedule.of(optim, steps, per_step), [steps])[0])
 
 
 def test_warmup_has_a_floor_in_steps_up_to_half_the_shortest_horizon():
