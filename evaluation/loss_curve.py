@@ -14,7 +14,7 @@ Fitted in log loss with a robust (soft-L1) objective, the law predicts a new run
 the rung's curve is written before it trains and other schedules' end points are read off the same law.
 
 Anchored (`anchored`): the law's additive size and data terms miss how a shape the sweep did not train falls with
-data (3.4% at the demo's rung by its end), where the point law, fitted on annealed end points only, lands within
+data (3.1-3.4% at the demo's rung by its end), where the point law, fitted on annealed end points only, lands within
 0.1%. So a curve is predicted as the point law's loss at each evaluation's tokens (a run like the sweep's,
 decayed there) plus what this run's schedule adds over that run's, by this law: the law carries only the
 difference between two schedules at the same size and step, which it is fitted to see (every run has decayed
@@ -282,9 +282,7 @@ class CurveFit:
     law: CurveLaw
     rel_errors: np.ndarray  # |predicted / measured − 1| per point, in sample
     run_offsets: np.ndarray  # per run: its mean log residual (how far the run sits from the law)
-    held_out: (
-        np.ndarray
-    )  # per point: the error of the laws fitted without the point's run (empty: not measured)
+    held_out: np.ndarray  # per point: the error of laws fitted without the point's run (empty: not measured)
     n_points: int
     n_runs: int
     seed_spread: np.ndarray  # per run with replicas: how far its curve strays from its seeds' (`seed_spread`)
