@@ -52,6 +52,9 @@ class CurvePrediction(BaseModel):
     band: float | None = None  # relative: 95% of a held-out sweep run's points were this close to the law
     seed_spread: float | None = None  # relative: one seed's curve from its seeds' mean, the sweep's median
     curve_law_end: float | None = None  # the curve law's own end point, unanchored
+    reference_warmup: int | None = (
+        None  # the warmup (steps) of the runs the curve is anchored to: the sweep's
+    )
     measured: list[float | None] | None = None
     max_rel_error: float | None = None
 
@@ -518,7 +521,10 @@ def rung_lines(rung: Prediction | None) -> list[str]:
         if curve.seed_spread is not None:
             line += f"; one seed's curve strays {curve.seed_spread:.2%} from its seeds' mean (sweep median)"
         if curve.curve_law_end is not None:
-            line += f"; anchored to the point law (the curve law alone ends at {curve.curve_law_end:.4f})"
+            line += "; anchored to the point law"
+            if curve.reference_warmup is not None:
+                line += f" (its runs warm up for {curve.reference_warmup} steps)"
+            line += f"; the curve law alone ends at {curve.curve_law_end:.4f}"
         others = ", ".join(f"{k} {v:.4f}" for k, v in curve.schedules.items())
         lines += [line, f"  The end point under other schedules: {others}"]
     second = rung.second_form

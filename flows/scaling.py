@@ -264,6 +264,7 @@ def rung_curve(rung: Recipe, law: CurveLaw, point_law: Law, warmup: int) -> Curv
             **{k: float(anchored(o, [steps])[0]) for k, o in variants.items()},
         },
         curve_law_end=float(law.curve(n, Schedule.of(optim, steps, per_step), [steps])[0]),
+        reference_warmup=warmup,
     )
 
 

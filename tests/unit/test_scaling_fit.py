@@ -27,6 +27,7 @@ from evaluation.scaling_report import (
     headline,
     precision_goals,
     run_fit_scaling,
+    rung_lines,
 )
 
 TRUE = Law(E=1.7, A=400.0, B=1500.0, alpha=0.34, beta=0.30)
@@ -165,6 +166,15 @@ def test_run_fit_scaling_writes_fit_json_and_plots(tmp_path):
     assert goals["rung's law interval"] == ("±2.5% (goal ±3%)", True)
     assert goals["rung's loss"] == ("0.50% off (goal ≤ 1%)", True)
     assert goals["rung's curve"] == ("max 2.04% off (goal ≤ 1.5%)", False)  # 3.0 predicted, 2.94 measured
+    # the summary's curve line: the error beside one seed's spread, and what the curve is anchored to
+    anchored = curve.model_copy(update={"seed_spread": 0.0105, "curve_law_end": 2.07, "reference_warmup": 60})
+    lines = rung_lines(rung.model_copy(update={"curve": anchored}).check(2.01, None, {10: 2.94, 20: 2.01}))
+    (line,) = [x for x in lines if "Validation curve" in x]
+    assert "max error 2.04%" in line and "one seed's curve strays 1.05% from its seeds' mean" in line
+    assert (
+        "anchored to the point law (its runs warm up for 60 steps); the curve law alone ends at 2.0700"
+        in line
+    )
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

@@ -90,6 +90,7 @@ def test_the_rungs_curve_is_the_point_law_at_each_evaluation_plus_what_its_sched
     assert same.schedules["as planned"] == same.loss[-1]
     assert (np.array(same.loss[:-1]) > point.loss(n, tokens[:-1]) + 0.01).all()  # not decayed yet
     sweep = rung_curve(rung, law, point, 60)
+    assert (same.reference_warmup, sweep.reference_warmup) == (warmup, 60)
     first = same.steps[0]
     reference = law.curve(n, Schedule.ending(optim, first, per_step, 60), [first])[0]
     own = law.curve(n, Schedule.of(optim, steps, per_step), [first])[0]
