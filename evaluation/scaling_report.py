@@ -52,9 +52,7 @@ class CurvePrediction(BaseModel):
     band: float | None = None  # relative: 95% of a held-out sweep run's points were this close to the law
     seed_spread: float | None = None  # relative: one seed's curve from its seeds' mean, the sweep's median
     curve_law_end: float | None = None  # the curve law's own end point, unanchored
-    reference_warmup: int | None = (
-        None  # the warmup (steps) of the runs the curve is anchored to: the sweep's
-    )
+    reference_warmup: int | None = None  # warmup steps of the runs the curve is anchored to (the sweep's)
     measured: list[float | None] | None = None
     max_rel_error: float | None = None
 

@@ -153,11 +153,13 @@ def _fit(
         log.warning("no loss-curve law: %s", e)
         curve_fit = None
     if curve_fit is not None:
+        summary = curve_fit.summary()
         curve = rung_curve(rung, curve_fit.law, anchor.law, sweep_warmup(points))
-        spread = curve_fit.summary()["seed_spread_median"]
-        curve = curve.model_copy(update={"band": curve_fit.band, "seed_spread": spread})
+        curve = curve.model_copy(
+            update={"band": curve_fit.band, "seed_spread": summary["seed_spread_median"]}
+        )
         prediction = prediction.model_copy(update={"curve": curve})
-        updates["curve_law"] = curve_fit.summary()
+        updates["curve_law"] = summary
     try:
         prediction = prediction.model_copy(update={"second_form": second_form(points, fit, n, d)})
     except ValueError as e:
