@@ -266,6 +266,26 @@ def test_compile_is_auto_on_cuda_and_for_wide_dense_models_on_a_cpu() -> None:
     assert (wants_compile(True, cpu, small), wants_compile(False, cuda, wide)) == (True, False)
 
 
+def test_the_bf16_optimiser_step_compiles_where_it_pays() -> None:
+    """`MasterWeights`' compiled step: as `parallel.compile` says; auto on CUDA and for models from d_model 256 on a
+    CPU, MoE and linear attention included (the optimiser's shapes never change), not the demo's 64."""
+    from training.compile import compiles_optimizer, unavailable_reason
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    small = load_recipe("smoke").model
+    wide = small.model_copy(update={"d_model": 384, "n_heads": 6, "n_kv_heads": 6, "d_ff": 1024})
+    moe = wide.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=512)})
+    linear = wide.model_copy(update={"attention": "linear"})
+    assert [compiles_optimizer("auto", cpu, cfg) for cfg in (small, wide, moe, linear)] == [
+        False,
+        True,
+        True,
+        True,
+    ]
+    assert (compiles_optimizer(True, cpu, small), compiles_optimizer(False, cpu, wide)) == (True, False)
+    assert compiles_optimizer("auto", cuda, small) == (unavailable_reason(cuda) is None)
+
+
 class FixedBatch:
     """The same 8 random sequences of 64 tokens at every draw."""
 

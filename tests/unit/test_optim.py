@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -104,3 +105,90 @@ def test_master_weights_refresh_from_weights_loaded_without_optimiser_state() ->
     layer.weight.grad = torch.ones_like(layer.weight)
     optimizer.step()  # lr 0: writes the masters back
     assert torch.equal(layer.weight, torch.full_like(layer.weight, 0.5))
+
+
+def bf16_pair() -> tuple[list[torch.nn.Module], list[MasterWeights]]:
+    """Two copies of a small bf16 model in two groups (decayed, not; their shapes alike, so the compiled step
+    compiles once), one `MasterWeights` eager (torch's fused AdamW inside) and one compiled."""
+    models = [
+        torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(2))).to(torch.bfloat16) for _ in "ab"
+    ]
+    models[1].load_state_dict(models[0].state_dict())
+
+    def build(groups: list[dict]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+    optimizers = [
+        MasterWeights(
+            [
+                {"params": [m[0].weight, m[0].bias], "lr": 1e-3, "weight_decay": 0.1},
+                {"params": [m[1].weight, m[1].bias], "lr": 1e-3, "weight_decay": 0.0},
+            ],
+            build,
+            max_grad_norm=1.0,
+            compiled=compiled,
+        )
+        for m, compiled in zip(models, (False, True), strict=True)
+    ]
+    return models, optimizers
+
+
+def step_both(
+    models: list[torch.nn.Module], optimizers: list[MasterWeights], scale: float, lr: float
+) -> None:
+    grads = [
+        torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+        for p in models[0].parameters()
+    ]
+    for model, optimizer in zip(models, optimizers, strict=True):
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = (g * scale).to(torch.bfloat16)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+
+
+@pytest.mark.slow  # Inductor's first compile in a process, ~12 s from a cold cache (shared with the slow suite's)
+def test_compiled_master_weights_step_as_torchs_fused_adamw() -> None:
+    """The compiled step (one fused pass per tensor from the bf16 gradient to the bf16 weight) against the eager
+    one (fp32 gradient copies, torch's fused AdamW): the same norms, fp32 masters and Adam moments to float
+    rounding, over steps that clip and steps that do not, at changing learning rates, per group weight decay;
+    and the state dict moves between the two."""
+    models, optimizers = bf16_pair()
+    eager, compiled = optimizers
+    for step, (scale, lr) in enumerate([(0.01, 1e-3), (5.0, 3e-3), (0.02, 2e-3), (3.0, 1e-2)]):
+        step_both(models, optimizers, scale, lr)
+        assert compiled.compiled and compiled._global_grad_norm == pytest.approx(
+            eager._global_grad_norm, rel=1e-5
+        )
+        assert (eager._global_grad_norm > 1.0) == (step % 2 == 1)  # every other step clips
+    for ours, theirs in zip(sum(compiled.masters, []), sum(eager.masters, []), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(
+                compiled.optimizer.state[ours][key], eager.optimizer.state[theirs][key]
+            )
+    for ours, theirs in zip(models[1].parameters(), models[0].parameters(), strict=True):
+        assert ours.dtype == torch.bfloat16
+        torch.testing.assert_close(ours, theirs, rtol=2**-7, atol=1e-6)  # a bf16 rounding apart at most
+    compiled.load_state_dict(copy.deepcopy(eager.state_dict()))  # an eager checkpoint resumed compiled
+    step_both(models, optimizers, 0.5, 1e-3)
+    for ours, theirs in zip(sum(compiled.masters, []), sum(eager.masters, []), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_compiled_master_weights_step_eagerly_when_the_compiler_fails() -> None:
+    """Inductor's C++ compiler is `false` (a real program that fails): one warning, and that first step and the
+    later ones are the eager step's."""
+    from torch._inductor import config as inductor
+
+    torch._dynamo.reset()
+    models, optimizers = bf16_pair()
+    broken = inductor.patch({"cpp.cxx": ("false",), "force_disable_caches": True})
+    with broken, pytest.warns(UserWarning, match="compiling the step failed"):
+        step_both(models, optimizers, 0.01, 1e-3)
+    step_both(models, optimizers, 3.0, 2e-3)
+    assert not optimizers[1].compiled
+    for ours, theirs in zip(models[1].parameters(), models[0].parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+    torch._dynamo.reset()

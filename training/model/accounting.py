@@ -210,7 +210,7 @@ def training_memory(
     params = count_parameters(cfg)
     w, g, o = state_bytes_per_param(precision, optimizer)
     if uses_master_weights(precision, zero_stage, ep_size, optimizer):
-        g += 4  # `MasterWeights` keeps an fp32 copy of the gradients
+        g += 4  # `MasterWeights` keeps an fp32 copy of the gradients (eager; compiled it does not: a bound there)
     dense_params = params.total - params.experts
     expert_params = params.experts / ep_size  # each rank holds n_experts / ep_size experts
     dense_dp, expert_dp = world_size, max(1, world_size // ep_size)

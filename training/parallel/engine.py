@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from data_pipeline.loader import Batch
 from infra.allocator import keep_freed_memory
-from training.compile import maybe_compile
+from training.compile import compiles_optimizer, maybe_compile
 from training.config import OptimConfig, ParallelConfig, TrainConfig
 from training.model.transformer import ModelOutput, Transformer
 from training.optim.master_weights import MasterWeights, uses_master_weights
@@ -210,7 +210,11 @@ def build_engine(
         for p in model.parameters():  # parameters only, as DeepSpeed casts (buffers such as RoPE's stay fp32)
             p.data = p.data.to(dtype)
         optimizer = MasterWeights(
-            groups, lambda masters: build_optimizer(masters, optim, model, grad_scale), optim.grad_clip
+            groups,
+            lambda masters: build_optimizer(masters, optim, model, grad_scale),
+            optim.grad_clip,
+            compiled=isinstance(model, Transformer)
+            and compiles_optimizer(parallel.compile, next(model.parameters()).device, model.cfg),
         )
     else:
         optimizer = build_optimizer(groups, optim, model, grad_scale)
