@@ -12,7 +12,10 @@ All in one run, one JSON line, per model shape (`demo`, the demo's tiny model, a
   TFLOP/s for H100/H200).
 - `<shape>.ratio_moe_vs_dense`: a top-2-of-8 MoE (sort + grouped GEMM dispatch) vs the dense model with the same
   active parameters (d_ff = 2 x expert d_ff), both through our engine. Goal >= 0.90. `moe_optimizer_ms` and
-  `same_active_dense_optimizer_ms`: the optimiser's step in each (the MoE has 2x the parameters to update).
+  `same_active_dense_optimizer_ms`: the optimiser's step in each (the MoE has 2x the parameters to update). With
+  `--compile` also both compiled: `ratio_moe_vs_dense_compiled`, `moe_compiled_tokens_per_s`,
+  `moe_compiled_optimizer_ms` and `moe_blocks_compiled` (false where the compile's trial step failed and the
+  blocks stayed eager: fp32 on a CPU, whose `grouped_mm` has no fp32 kernel for torch.compile's fake tensors).
 - `scaling_2_vs_1_workers`: tokens/s of 2 Ray Train workers over 1 (`lmforge pretrain demo`, ZeRO-2).
 
     .venv/bin/python benchmarks/train_throughput.py [--precision fp32] [--shapes demo,wide] [--skip-scaling]
@@ -117,6 +120,7 @@ def engine_step(
         optimizer_s.append(time.perf_counter() - start)
 
     step.optimizer_s = optimizer_s  # type: ignore[attr-defined]
+    step.compiled_blocks = "forward" in vars(engine.module.model.layers[-1])  # type: ignore[attr-defined]
     return step
 
 
@@ -210,12 +214,22 @@ def measure_shape(name: str, steps: int, device: torch.device, precision: str, c
         # each engine's start: built (the compiled one compiles on a trial step) and its first step taken
         eager_start_s = started(cfg, seq, micro, device, precision, False, data[0])[1]
         step, compiled_start_s = started(cfg, seq, micro, device, precision, True, data[0])
-        compiled_s = time_interleaved({"c": step}, data)["c"]
+        compiled_s = time_interleaved({"c": step}, data)["c"]  # alone, before the MoE's memory is in the heap
         report["compiled_tokens_per_s"] = round(tokens / compiled_s)
         report["mfu_compiled"] = round(flops / compiled_s / peak, 3)
         report["compile_seconds"] = round(compiled_start_s - eager_start_s, 1)
         if compiled_s < engine_s:  # after how many steps the compiled run is ahead, its warm-up included
             report["compile_pays_after_steps"] = round(report["compile_seconds"] / (engine_s - compiled_s))
+        del step
+        release()
+        # built side by side, as the eager pair (an engine built before another's ran 10-40% slower beside it)
+        moe_step = engine_step(moe, seq, micro, device, precision, True)
+        dense_step = engine_step(same_active, seq, micro, device, precision, True)
+        pair = time_interleaved({"moe": moe_step, "dense": dense_step}, data)
+        report["moe_compiled_tokens_per_s"] = round(tokens / pair["moe"])
+        report["ratio_moe_vs_dense_compiled"] = round(pair["dense"] / pair["moe"], 3)
+        report["moe_compiled_optimizer_ms"] = optimizer_ms(moe_step)
+        report["moe_blocks_compiled"] = moe_step.compiled_blocks  # type: ignore[attr-defined]
     return report
 
 

@@ -7,8 +7,11 @@ fall-back to eager.
 the compile (8.1 s from a cold Inductor cache at d_model 384 in fp32, 5.7 s warm in bf16, 24 s cold at the demo's 64) is paid
 back within a short run: one core, steps interleaved with an eager engine's, d_model 384 saved 77 ms (fp32, 7%) /
 88 ms (bf16, 14%) per step, 105 / 65 steps to pay; d_model 64 saved 2.5 ms (9%), ~10,000 steps, more than the
-demo's runs take. MoE blocks (their expert row counts change every step) and linear attention stay eager there:
-not measured. A platform where compile is unavailable stays eager (with one warning when compile was asked for);
+demo's runs take. MoE blocks and linear attention stay eager there under auto; asked for (`true`), an MoE block
+compiles with automatic dynamic shapes (its experts' row counts change every step: one symbolic graph after the
+first change, where static shapes recompiled every few steps): in bf16 at d_model 384 it ran 1.4-1.5x its eager
+pace; in fp32 its trial step fails (a CPU's `grouped_mm` has no fp32 kernel for torch.compile's fake tensors) and
+it stays eager. A platform where compile is unavailable stays eager (with one warning when compile was asked for);
 a failure on the trial step falls back to eager with one warning; neither stops a run. Decoding with a cache
 stays eager (shapes change every token).
 """
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from training.model.config import ModelConfig
+from training.model.moe import MoE
 from training.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -85,7 +89,9 @@ def compile_blocks(model: Transformer) -> None:
     model.logits_and_loss = torch.compile(model.logits_and_loss, dynamic=False)  # type: ignore[method-assign]
     for block in model.model.layers:
         eager = block.forward
-        compiled = torch.compile(eager, dynamic=False)
+        # an MoE block's expert row counts change every step: the first change recompiles them symbolic (automatic
+        # dynamic shapes), later ones reuse that graph; static, each new count recompiled (~3 s each on a CPU)
+        compiled = torch.compile(eager, dynamic=None if isinstance(block.mlp, MoE) else False)
 
         def forward(x, rope, cache=None, _eager=eager, _compiled=compiled):  # type: ignore[no-untyped-def]
             return _eager(x, rope, cache) if cache is not None else _compiled(x, rope)
