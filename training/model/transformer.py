@@ -18,7 +18,6 @@ Shape letters: B batch, T query length, S key length, C d_model, H query heads, 
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -171,11 +170,16 @@ def explicit_attention_pays(q: Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype == torch.bfloat16 and short and cpu_has_bf16_matrix_units()
 
 
-@functools.cache
 def cpu_has_bf16_matrix_units() -> bool:
     """AMX or AVX-512 BF16 (as PyTorch detects them): bf16 GEMMs run natively, not emulated (~50x slower than fp32)."""
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+    return _BF16_MATRIX_UNITS
+
+
+# probed once, at import: a constant inside compiled blocks (Dynamo warned at every compile about a cached probe)
+_BF16_MATRIX_UNITS = any(
+    getattr(torch.cpu, name, lambda: False)()
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+)
 
 
 def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
