@@ -259,7 +259,7 @@ def test_compiled_moe_blocks_reuse_one_graph_as_routing_changes() -> None:
             loss = engine.forward(Batch(tokens[:, :-1], tokens[:, 1:])).loss
             engine.backward(loss)
             engine.step(1e-3)
-            losses[compiled].append(float(loss))
+            losses[compiled].append(float(loss.detach()))
         if compiled:
             assert counters["stats"]["unique_graphs"] == graphs  # steps 2-10: no new graph
     assert losses[True] == pytest.approx(losses[False], rel=1e-2)
