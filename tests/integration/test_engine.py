@@ -305,9 +305,10 @@ def test_compile_is_auto_on_cuda_and_for_wide_dense_models_on_a_cpu() -> None:
 
 
 def test_the_bf16_optimiser_step_compiles_where_it_pays() -> None:
-    """`MasterWeights`' compiled step: as `parallel.compile` says; auto on CUDA and for models from d_model 256 on a
-    CPU, MoE and linear attention included (the optimiser's shapes never change), not the demo's 64."""
-    from training.compile import compiles_optimizer, unavailable_reason
+    """`MasterWeights`' compiled step: as `parallel.compile` says; auto for models from d_model 256 on a CPU, MoE and
+    linear attention included (the optimiser's shapes never change), not the demo's 64, and not on CUDA (not
+    measured there)."""
+    from training.compile import compiles_optimizer
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     small = load_recipe("smoke").model
@@ -321,7 +322,7 @@ def test_the_bf16_optimiser_step_compiles_where_it_pays() -> None:
         True,
     ]
     assert (compiles_optimizer(True, cpu, small), compiles_optimizer(False, cpu, wide)) == (True, False)
-    assert compiles_optimizer("auto", cuda, small) == (unavailable_reason(cuda) is None)
+    assert not compiles_optimizer("auto", cuda, wide)
 
 
 class FixedBatch:

@@ -9,7 +9,7 @@ step, an unscale multiply by 1.0, the step, a copy back: 117 ms of a 770 ms step
 gradients into fp32 buffers, one foreach norm (which also detects a non-finite gradient), the clip on the fp32
 gradients, the fused step, one foreach copy back (49 ms there).
 
-Compiled (`compiled=True`, where the engine compiles: `training.compile.compiles_optimizer`): Inductor fuses each
+Compiled (`compiled=True`, as `training.compile.compiles_optimizer` decides): Inductor fuses each
 tensor's step into one loop that reads the bf16 gradient, clips it, steps AdamW on the fp32 master and writes the
 bf16 weight, one pass over memory instead of five (and no fp32 gradient copies kept): 20 vs 42 ms for the 13.4M
 parameters of d_model 384 on one CPU core, the gradients' norm (a compiled sum of squares of the bf16 gradients)
