@@ -366,4 +366,12 @@ def size_for_budget(
     )
     if swept and not swept[0] <= n_opt <= swept[1]:
         note += f"; N* lies outside the swept sizes ({swept[0]:,.0f}–{swept[1]:,.0f}): an extrapolation, widen the sweep"
+    shapes = [sized_model(recipe.model, s.depth, s.width) for s in recipe.sweep.all_sizes()]
+    aspects = [m.d_model / m.n_layers for m in shapes]
+    if aspects and not min(aspects) <= width / depth <= max(aspects):
+        note += (
+            f"; its width/depth {width / depth:.0f} lies outside the swept shapes' ({min(aspects):.0f}–"
+            f"{max(aspects):.0f}): its early curve may stray from the law's (the demo's d1w64 rung sat 4.5% above "
+            "the point law at 7 tokens per parameter, 0.1% at its end)"
+        )
     return sized, note

@@ -71,6 +71,17 @@ def test_rung_is_sized_by_the_sweeps_rules():
     assert "outside the swept sizes" in outside
 
 
+def test_a_rung_shaped_unlike_the_sweeps_sizes_says_so():
+    """The demo's sweep spans width/depth 16-32; its rung at N* 9.05e4 is one layer 64 wide (the nearest size),
+    at 8e4 two layers 48 wide (24: like the sweep's)."""
+    recipe = demo()
+    rung, note = size_for_budget(recipe, 9.05e4, 2.4e12)
+    assert (rung.model.n_layers, rung.model.d_model) == (1, 64)
+    assert "width/depth 64 lies outside the swept shapes' (16–32)" in note
+    rung, note = size_for_budget(recipe, 8.0e4, 2.4e12)
+    assert (rung.model.n_layers, rung.model.d_model) == (2, 48) and "swept shapes" not in note
+
+
 def test_the_rungs_curve_is_the_point_law_at_each_evaluation_plus_what_its_schedule_adds():
     """Each evaluation: the point law's loss at its tokens (a run like the sweep's, decayed there) plus the curve
     law's difference between the rung's schedule and that run's. With the sweep's warmup the rung's own, the end
