@@ -286,41 +286,21 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning() -> None:
 
 def test_compile_is_auto_on_cuda_and_for_wide_dense_models_on_a_cpu() -> None:
     """auto: every model on CUDA; on a CPU dense softmax-attention models from d_model 256 (384: compile paid
-    back after ~100 steps), not the demo's 64 (~10,000 steps), not MoE or linear attention (not measured)."""
-    from training.compile import wants_compile
+    back after ~100 steps), not the demo's 64 (~10,000 steps), not MoE or linear attention (not measured). The bf16
+    optimiser step (`MasterWeights`) compiles under auto from d_model 256 on a CPU, MoE and linear attention
+    included (its shapes never change), not on CUDA (not measured there)."""
+    from training.compile import compiles_optimizer, wants_compile
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     small = load_recipe("smoke").model
     wide = small.model_copy(update={"d_model": 384, "n_heads": 6, "n_kv_heads": 6, "d_ff": 1024})
     moe = wide.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=512)})
     linear = wide.model_copy(update={"attention": "linear"})
-    assert [wants_compile("auto", cpu, cfg) for cfg in (small, wide, moe, linear)] == [
-        False,
-        True,
-        False,
-        False,
-    ]
+    models = (small, wide, moe, linear)
+    assert [wants_compile("auto", cpu, cfg) for cfg in models] == [False, True, False, False]
     assert wants_compile("auto", cuda, small) and wants_compile("auto", cuda, moe)
     assert (wants_compile(True, cpu, small), wants_compile(False, cuda, wide)) == (True, False)
-
-
-def test_the_bf16_optimiser_step_compiles_where_it_pays() -> None:
-    """`MasterWeights`' compiled step: as `parallel.compile` says; auto for models from d_model 256 on a CPU, MoE and
-    linear attention included (the optimiser's shapes never change), not the demo's 64, and not on CUDA (not
-    measured there)."""
-    from training.compile import compiles_optimizer
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    small = load_recipe("smoke").model
-    wide = small.model_copy(update={"d_model": 384, "n_heads": 6, "n_kv_heads": 6, "d_ff": 1024})
-    moe = wide.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=512)})
-    linear = wide.model_copy(update={"attention": "linear"})
-    assert [compiles_optimizer("auto", cpu, cfg) for cfg in (small, wide, moe, linear)] == [
-        False,
-        True,
-        True,
-        True,
-    ]
+    assert [compiles_optimizer("auto", cpu, cfg) for cfg in models] == [False, True, True, True]
     assert (compiles_optimizer(True, cpu, small), compiles_optimizer(False, cpu, wide)) == (True, False)
     assert not compiles_optimizer("auto", cuda, wide)
 
