@@ -56,7 +56,7 @@ def wants_compile(setting: CompileSetting, device: torch.device, cfg: ModelConfi
 def compiles_optimizer(setting: CompileSetting, device: torch.device, cfg: ModelConfig) -> bool:
     """Whether `MasterWeights` steps through its compiled kernels: the recipe's `parallel.compile` where torch.compile
     can run; auto: a CPU model of d_model >= `CPU_MIN_WIDTH`, MoE and linear attention included (the optimiser's
-    shapes never change), where it saved 14-22 ms a step at d_model 384 for a 3-15 s compile (~0.1 ms at the demo's
+    shapes never change), where it saved 12-20 ms a step at d_model 384 for a 3-15 s compile (~0.1 ms at the demo's
     64). Not on CUDA under auto: not measured there, where torch's fused AdamW is one kernel already and the extra
     passes over memory cost little, while the compile grows with the number of tensors."""
     if setting is False or (setting == "auto" and (device.type != "cpu" or cfg.d_model < CPU_MIN_WIDTH)):
