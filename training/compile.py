@@ -7,11 +7,12 @@ fall-back to eager.
 the compile (8.1 s from a cold Inductor cache at d_model 384 in fp32, 5.7 s warm in bf16, 24 s cold at the demo's 64) is paid
 back within a short run: one core, steps interleaved with an eager engine's, d_model 384 saved 77 ms (fp32, 7%) /
 88 ms (bf16, 14%) per step, 105 / 65 steps to pay; d_model 64 saved 2.5 ms (9%), ~10,000 steps, more than the
-demo's runs take. MoE blocks and linear attention stay eager there under auto; asked for (`true`), an MoE block
-compiles with automatic dynamic shapes (its experts' row counts change every step: one symbolic graph after the
-first change, where static shapes recompiled every few steps): in bf16 at d_model 384 it ran 1.4-1.5x its eager
-pace; in fp32 its trial step fails (a CPU's `grouped_mm` has no fp32 kernel for torch.compile's fake tensors) and
-it stays eager. A platform where compile is unavailable stays eager (with one warning when compile was asked for);
+demo's runs take. An MoE block compiles with automatic dynamic shapes (its experts' row counts change every step:
+one symbolic graph after the first change, where static shapes recompiled every few steps); on a CPU auto compiles
+it in bf16 from d_model 256: at 384 a step took 251-257 instead of 328-339 ms (its optimiser compiled both ways),
+the compile ~1 s more from a warm Inductor cache (paid after ~12 steps), ~20 s cold. In fp32 its trial step fails
+(a CPU's `grouped_mm` has no fp32 kernel for torch.compile's fake tensors) and it stays eager; linear attention
+stays eager under auto: not measured. A platform where compile is unavailable stays eager (with one warning when compile was asked for);
 a failure on the trial step falls back to eager with one warning; neither stops a run. Decoding with a cache
 stays eager (shapes change every token).
 """
@@ -38,9 +39,12 @@ CompileSetting = Literal["auto"] | bool
 CPU_MIN_WIDTH = 256
 
 
-def wants_compile(setting: CompileSetting, device: torch.device, cfg: ModelConfig) -> bool:
+def wants_compile(
+    setting: CompileSetting, device: torch.device, cfg: ModelConfig, dtype: torch.dtype = torch.float32
+) -> bool:
     """The recipe's `parallel.compile` for this device and model: True/False as given; auto: CUDA, or a CPU for a
-    dense softmax-attention model of d_model >= `CPU_MIN_WIDTH` (where it was measured to pay)."""
+    softmax-attention model of d_model >= `CPU_MIN_WIDTH` (where it was measured to pay), dense, or MoE in bf16
+    (in fp32 an MoE block cannot compile here: `grouped_mm`)."""
     if setting != "auto":
         return bool(setting)
     if device.type == "cuda":
@@ -48,7 +52,7 @@ def wants_compile(setting: CompileSetting, device: torch.device, cfg: ModelConfi
     return (
         device.type == "cpu"
         and cfg.d_model >= CPU_MIN_WIDTH
-        and cfg.moe is None
+        and (cfg.moe is None or dtype == torch.bfloat16)
         and cfg.attention == "softmax"
     )
 
@@ -117,7 +121,7 @@ def maybe_compile(
     """Compile `model`'s blocks if the setting asks for it on this device and a trial step succeeds; otherwise
     leave it eager (one warning when compile was asked for but cannot run). Returns whether it compiled."""
     device = next(model.parameters()).device
-    if not isinstance(model, Transformer) or not wants_compile(setting, device, model.cfg):
+    if not isinstance(model, Transformer) or not wants_compile(setting, device, model.cfg, dtype):
         return False
     if (reason := unavailable_reason(device)) is not None:
         if setting is True:
