@@ -140,12 +140,10 @@ class MasterWeights(torch.optim.Optimizer):
         if given:
             torch._foreach_copy_(*map(list, zip(*given, strict=True)))
         norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
-        self._global_grad_norm = norm
-        self.overflow = not math.isfinite(norm)
-        if self.overflow:
+        if (clip := self._clip_factor(norm)) is None:
             return
-        if self.max_grad_norm > 0 and (excess := (norm + 1e-6) / self.max_grad_norm) > 1:  # DeepSpeed's rule
-            torch._foreach_mul_(grads, 1.0 / excess)
+        if clip < 1:
+            torch._foreach_mul_(grads, clip)
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         self.optimizer.step()
@@ -156,19 +154,18 @@ class MasterWeights(torch.optim.Optimizer):
         together (a missing gradient is a zero one), so one step count serves the group. Should the kernels
         fail to compile on the first step before a group stepped, this step and the later ones run eagerly."""
         sum_of_squares, adamw = _kernels()
-        low, _ = self._flat()
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in low]  # None: as DeepSpeed, a zero
-        grads_of, stepped = iter(grads), False
+        # per group; a parameter the loss did not reach has a zero gradient, as with DeepSpeed's wrapper
+        grads = [
+            [torch.zeros_like(p) if p.grad is None else p.grad for p in g["params"]]
+            for g in self.param_groups
+        ]
+        flat = list(itertools.chain.from_iterable(grads))
+        stepped = False
         try:
-            norm = float(sum_of_squares(grads).sqrt()) if grads else 0.0
-            self._global_grad_norm = norm
-            self.overflow = not math.isfinite(norm)
-            if self.overflow:
+            if (clip := self._clip_factor(float(sum_of_squares(flat).sqrt()) if flat else 0.0)) is None:
                 return
-            excess = (norm + 1e-6) / self.max_grad_norm if self.max_grad_norm > 0 else 1.0  # DeepSpeed's rule
-            clip = 1.0 / excess if excess > 1 else 1.0
-            for outer, inner, masters in zip(
-                self.param_groups, self.optimizer.param_groups, self.masters, strict=True
+            for outer, inner, masters, group_grads in zip(
+                self.param_groups, self.optimizer.param_groups, self.masters, grads, strict=True
             ):
                 inner.update({k: v for k, v in outer.items() if k != "params"})
                 if not masters:
@@ -180,7 +177,7 @@ class MasterWeights(torch.optim.Optimizer):
                 scalars += [1 - beta1**t, math.sqrt(1 - beta2**t)]
                 adamw(
                     [p.detach() for p in outer["params"]],
-                    [next(grads_of) for _ in masters],
+                    group_grads,
                     masters,
                     [s["exp_avg"] for s in states],
                     [s["exp_avg_sq"] for s in states],
@@ -199,6 +196,16 @@ class MasterWeights(torch.optim.Optimizer):
             self.compiled = False
             self._keep_fp32_grads()
             self.step()
+
+    def _clip_factor(self, norm: float) -> float | None:
+        """Records the gradients' `norm` and whether it is not finite (`overflow`: None, no step), and returns the
+        factor that clips them to `max_grad_norm` by DeepSpeed's rule (1: not clipped)."""
+        self._global_grad_norm = norm
+        self.overflow = not math.isfinite(norm)
+        if self.overflow:
+            return None
+        excess = (norm + 1e-6) / self.max_grad_norm if self.max_grad_norm > 0 else 1.0
+        return 1.0 / excess if excess > 1 else 1.0
 
     def _state(self, master: Tensor) -> dict[str, Tensor]:
         """The inner AdamW's state for `master`, created as torch creates it."""
