@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from data_pipeline.loader import IGNORE_INDEX
+from training.model import cross_entropy as fused
 from training.model.config import ModelConfig, MoEConfig
 from training.model.moe import MoE
 from training.model.sampling import filter_logits, generate
 from training.model.transformer import (
-    IGNORE_INDEX,
     Transformer,
     apply_rope,
     cpu_has_bf16_matrix_units,
@@ -72,6 +73,24 @@ def test_ignore_index_drops_positions_from_the_loss() -> None:
     targets[:, :4] = IGNORE_INDEX
     full = torch.nn.functional.cross_entropy(model(x).logits[:, 4:].flatten(0, 1), x[:, 4:].flatten())
     torch.testing.assert_close(model(x, targets=targets).ce_loss, full)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_cross_entropy_is_torchs_on_fp32_logits(dtype: torch.dtype, monkeypatch) -> None:
+    """Loss and gradient of half-precision logits as `F.cross_entropy` of the logits cast to fp32 (the gradient in the
+    logits' dtype), over chunks of rows with a ragged last one, and compiled (one chunk)."""
+    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * 101 * 7)  # 7 rows a chunk: 40 rows in 6 chunks
+    logits = (3 * torch.randn(40, 101, generator=torch.Generator().manual_seed(0))).to(dtype).requires_grad_()
+    targets = tokens(1, 40).flatten()
+    targets[[0, 13, 14, 39]] = IGNORE_INDEX
+    expected = torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX)
+    (expected_grad,) = torch.autograd.grad(3 * expected, logits)
+    for loss_fn in (fused.cross_entropy, torch.compile(fused.cross_entropy, dynamic=False)):
+        loss = loss_fn(logits, targets)
+        (grad,) = torch.autograd.grad(3 * loss, logits)
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+        assert grad.dtype == dtype and not grad[[0, 13, 14, 39]].any()
+        torch.testing.assert_close(grad.float(), expected_grad.float(), rtol=0, atol=1e-7)
 
 
 def test_init_is_deterministic_per_seed() -> None:

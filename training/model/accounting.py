@@ -169,14 +169,14 @@ def preconditioner_bytes(cfg: ModelConfig, optimizer: str) -> int:
     return 4 * FACTORS_PER_SIDE[optimizer] * sides
 
 
-def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bool) -> tuple[int, int]:
-    """(elements saved for backward per token in all layers, fp32 logit elements per token).
+def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bool) -> int:
+    """Elements saved for backward per token, in the training dtype.
 
     Dense layer: per RMSNorm its input, normalised and scaled outputs (3C, twice); q, k, v and the attention
     output (2HD + 2GD); gate, up, silu(gate) and their product (4F): 6C + 2HD + 2GD + 4F. A MoE layer replaces
     4F with, per top-k assignment, the gathered input, gate/up, silu(gate), product and the expert output back
     in token order (2C + 4I), plus router logits and probabilities (2E). The head keeps the final norm's tensors (3C) and
-    fp32 log-probabilities (V). With activation checkpointing only block inputs are kept, plus one block's
+    the loss its logits (V; fp32 log-probabilities in fp32, the logits themselves in bf16: `cross_entropy.py`). With activation checkpointing only block inputs are kept, plus one block's
     working set while it is recomputed. Checked against autograd's saved tensors in tests/unit/test_accounting.py.
     """
     C, HD, GD = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -189,7 +189,7 @@ def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bo
         if cfg.attention != "softmax":  # q and k features and a chunk's scores (an estimate, not checked)
             per_layer[-1] += 2 * cfg.n_heads * cfg.feature_dim + cfg.n_heads * min(CHUNK, cfg.max_seq_len)
     layers = cfg.n_layers * C + max(per_layer) if activation_checkpointing else sum(per_layer)
-    return layers + 3 * C, cfg.vocab_size
+    return layers + 3 * C + cfg.vocab_size
 
 
 def training_memory(
@@ -220,13 +220,13 @@ def training_memory(
             return int(bytes_per_param * (dense_params + expert_params))
         return int(bytes_per_param * (dense_params / dense_dp + expert_params / expert_dp))
 
-    elements, fp32_logits = activation_elements_per_token(cfg, activation_checkpointing)
+    elements = activation_elements_per_token(cfg, activation_checkpointing)
     tokens = micro_batch * seq_len
     return MemoryEstimate(
         weights=per_device(w, zero_stage >= 3),
         gradients=per_device(g, zero_stage >= 2),
         optimizer=per_device(o, zero_stage >= 1) + preconditioner_bytes(cfg, optimizer),
-        activations=tokens * (elements * BYTES_PER_ELEMENT[precision] + fp32_logits * 4),
+        activations=tokens * elements * BYTES_PER_ELEMENT[precision],
     )
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from training.model.config import ModelConfig
+from training.model.cross_entropy import cross_entropy
 from training.model.linear_attention import (
     LinearState,
     causal_linear_attention,
@@ -34,8 +35,6 @@ from training.model.linear_attention import (
     orthogonal_features,
 )
 from training.model.moe import MoE, RouterStats
-
-IGNORE_INDEX = -100  # targets with this value carry no loss (padding, prompt tokens in SFT)
 
 
 def is_hidden(name: str) -> bool:
@@ -332,11 +331,10 @@ class Transformer(nn.Module):
         return logits * self.cfg.output_mult if self.cfg.output_mult != 1.0 else logits
 
     def logits_and_loss(self, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """The logits and their mean cross-entropy (in fp32) over the targets that are not IGNORE_INDEX: one region
-        for `training/compile.py`, which fuses the fp32 cast into the loss."""
+        """The logits and their mean cross-entropy (in fp32, `training/model/cross_entropy.py`) over the targets that
+        are not IGNORE_INDEX: one region for `training/compile.py`."""
         logits = self.logits(hidden)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-        return logits, ce
+        return logits, cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def new_cache(self, batch: int, max_len: int | None = None) -> list[Cache]:
         """Empty per-layer KV caches on this model's device and dtype (linear attention: fp32 running sums,

@@ -1,0 +1,63 @@
+"""Mean next-token cross-entropy over the vocabulary, in fp32, without a full-size fp32 copy of bf16/fp16 logits.
+
+`F.cross_entropy(logits.float(), ...)` on bf16 logits of R rows and V columns makes, eagerly, a fp32 copy, its
+log-softmax (kept for the backward: 4 bytes per logit), a zero-filled gradient and the log-softmax's backward, each a
+full-size fp32 pass over memory. Here the forward keeps the logits as they are (2 bytes per logit) and each row's
+log-sum-exp, and the backward writes softmax − one-hot straight into a gradient of the logits' dtype, a chunk of
+rows at a time that fits in a core's L2 cache. Compiled (`training/compile.py`) it runs as one chunk, which Inductor
+fuses into a pass each way. The result equals `F.cross_entropy` on the fp32 logits to float rounding. At d_model 384,
+vocab 8,192, 1,024 tokens, bf16, one core: the head and loss forward and backward 56 -> 41-45 ms eager, 42-45 ->
+37-40 ms compiled (its GEMMs alone 22); a whole engine step 1.3% (eager) / 1.6% (compiled) faster. fp32 logits go to
+`F.cross_entropy`: there is no copy to avoid, and its fused log-softmax made a step 2.4-2.8% faster than the chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from data_pipeline.loader import IGNORE_INDEX
+
+CHUNK_BYTES = 1 << 21  # one chunk's fp32 rows: a core's L2 (2 MiB on the Xeons measured)
+
+
+def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """logits (R, V) of any float dtype, targets (R,) with IGNORE_INDEX where no loss -> the mean over the rows that
+    carry loss of log-sum-exp(logits) − logits[target], in fp32 (NaN when no row does, as `F.cross_entropy`)."""
+    if logits.dtype == torch.float32:
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+    return _CrossEntropy.apply(logits, targets)
+
+
+def _chunk_rows(logits: Tensor) -> int:
+    """Rows a chunk holds: all of them while torch.compile traces (Inductor fuses the passes), else an L2's worth."""
+    if torch.compiler.is_compiling():
+        return logits.shape[0]
+    return max(1, CHUNK_BYTES // (4 * logits.shape[1]))
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:  # type: ignore[override]
+        rows = _chunk_rows(logits)
+        carries = targets != IGNORE_INDEX
+        target = torch.where(carries, targets, 0)
+        lse = torch.cat([torch.logsumexp(chunk.float(), -1) for chunk in logits.split(rows)])  # (R,)
+        picked = logits.gather(-1, target[:, None]).squeeze(-1).float()
+        count = carries.sum()
+        ctx.save_for_backward(logits, lse, target, carries, count)
+        ctx.rows = rows
+        return torch.where(carries, lse - picked, 0.0).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        logits, lse, target, carries, count = ctx.saved_tensors
+        scale = torch.where(carries, grad / count, 0.0)[:, None]  # (R, 1)
+        out = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.rows):
+            end = min(start + ctx.rows, logits.shape[0])
+            probs = (logits[start:end].float() - lse[start:end, None]).exp_()  # (rows, V) softmax
+            probs[torch.arange(end - start, device=probs.device), target[start:end]] -= 1.0
+            out[start:end] = probs.mul_(scale[start:end])
+        return out, None
