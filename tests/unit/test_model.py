@@ -91,6 +91,7 @@ def test_chunked_cross_entropy_is_torchs_on_fp32_logits(dtype: torch.dtype, monk
         torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
         assert grad.dtype == dtype and not grad[[0, 13, 14, 39]].any()
         torch.testing.assert_close(grad.float(), expected_grad.float(), rtol=0, atol=1e-7)
+    assert fused.IGNORE_INDEX == IGNORE_INDEX  # the loader's padding value
 
 
 def test_init_is_deterministic_per_seed() -> None:
