@@ -124,12 +124,43 @@ def grouped_linear(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
     dtype = compute_dtype(x)
     x, weight = x.to(dtype), weight.to(dtype)
     if GROUPED_MM is not None and all(d * x.element_size() % 16 == 0 for d in weight.shape[1:]):
+        if dtype != torch.bfloat16 and torch.compiler.is_compiling():
+            return grouped_mm(x, weight.transpose(1, 2), ends)
         return GROUPED_MM(x, weight.transpose(1, 2), offs=ends)
     bounds = [0, *ends.tolist()]
     return torch.cat([F.linear(x[a:b], weight[e]) for e, (a, b) in enumerate(itertools.pairwise(bounds))])
 
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@torch.library.custom_op("lmforge::grouped_mm", mutates_args=())
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """`GROUPED_MM(a, b, offs=offs)` as an opaque op, for torch.compile in dtypes other than bf16: torch 2.13's fake
+    kernel for `grouped_mm` repeats the CUDA kernel's bf16-only check, while the eager op (on a CPU, and CUDA's
+    fallback) computes fp32 and fp16 too. (M, K) x (E, K, N) -> (M, N); the weight gradient (K, M) x (M, N) ->
+    (E, K, N)."""
+    assert GROUPED_MM is not None
+    return GROUPED_MM(a, b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
+
+
+def _save_operands(ctx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:  # type: ignore[no-untyped-def]
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[no-untyped-def]
+    a, b, offs = ctx.saved_tensors
+    return grouped_mm(grad, b.transpose(1, 2), offs), grouped_mm(a.t(), grad, offs), None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_save_operands)
 
 
 class MoE(nn.Module):
