@@ -15,7 +15,7 @@ All in one run, one JSON line, per model shape (`demo`, the demo's tiny model, a
   `same_active_dense_optimizer_ms`: the optimiser's step in each (the MoE has 2x the parameters to update). With
   `--compile` also both compiled: `ratio_moe_vs_dense_compiled`, `moe_compiled_tokens_per_s`,
   `moe_compiled_optimizer_ms` and `moe_blocks_compiled` (false where the compile's trial step failed and the
-  blocks stayed eager: fp32 on a CPU, whose `grouped_mm` has no fp32 kernel for torch.compile's fake tensors).
+  blocks stayed eager).
 - `scaling_2_vs_1_workers`: tokens/s of 2 Ray Train workers over 1 (`lmforge pretrain demo`, ZeRO-2).
 
     .venv/bin/python benchmarks/train_throughput.py [--precision fp32] [--shapes demo,wide] [--skip-scaling]

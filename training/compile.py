@@ -10,9 +10,9 @@ back within a short run: one core, steps interleaved with an eager engine's, d_m
 demo's runs take. An MoE block compiles with automatic dynamic shapes (its experts' row counts change every step:
 one symbolic graph after the first change, where static shapes recompiled every few steps); on a CPU auto compiles
 it in bf16 from d_model 256: at 384 a step took 251-257 instead of 328-339 ms (its optimiser compiled both ways),
-the compile ~1 s more from a warm Inductor cache (paid after ~12 steps), ~20 s cold. In fp32 its trial step fails
-(a CPU's `grouped_mm` has no fp32 kernel for torch.compile's fake tensors) and it stays eager; linear attention
-stays eager under auto: not measured. A platform where compile is unavailable stays eager (with one warning when compile was asked for);
+the compile ~1 s more from a warm Inductor cache (paid after ~12 steps), ~20 s cold. In fp32 it compiles (through
+`moe.grouped_mm`) but a step was no faster (612 vs 608 ms at d_model 384, interleaved), so auto leaves it eager; linear
+attention stays eager under auto: not measured. A platform where compile is unavailable stays eager (with one warning when compile was asked for);
 a failure on the trial step falls back to eager with one warning; neither stops a run. Decoding with a cache
 stays eager (shapes change every token).
 """
@@ -44,7 +44,7 @@ def wants_compile(
 ) -> bool:
     """The recipe's `parallel.compile` for this device and model: True/False as given; auto: CUDA, or a CPU for a
     softmax-attention model of d_model >= `CPU_MIN_WIDTH` (where it was measured to pay), dense, or MoE in bf16
-    (in fp32 an MoE block cannot compile here: `grouped_mm`)."""
+    (in fp32 a compiled MoE block was no faster here)."""
     if setting != "auto":
         return bool(setting)
     if device.type == "cuda":

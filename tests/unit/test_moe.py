@@ -141,19 +141,16 @@ def test_experts_compute_in_the_autocast_dtype_and_pad_on_a_cpu_in_bf16() -> Non
 
 
 def test_experts_compile_in_fp32(generator: torch.Generator) -> None:
-    """torch.compile's fake kernel for `grouped_mm` takes bf16 only; compiled fp32 experts go through lmforge's own op
-    (`moe.grouped_mm`) with the eager op's outputs and gradients."""
-    experts = MoE(16, MoEConfig(n_experts=4, top_k=2, d_ff_expert=8)).experts
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.normal_(generator=generator)
+    """torch.compile's fake kernel for `grouped_mm` takes bf16 only; compiled fp32 expert GEMMs go through lmforge's
+    own op (`moe.grouped_mm`) with the eager op's outputs and gradients."""
+    from training.model.moe import grouped_linear
+
     x = torch.randn(12, 16, generator=generator, requires_grad=True)
-    expert_ids = torch.randint(0, 4, (12, 2), generator=generator)
-    weights = torch.rand(12, 2, generator=generator)
+    weight = torch.randn(3, 8, 16, generator=generator, requires_grad=True)  # (E, out, in)
+    ends = torch.tensor([4, 4, 12], dtype=torch.int32)  # an expert without rows too
     results = []
-    for forward in (experts, torch.compile(experts, dynamic=False)):
-        y = forward(x, weights, expert_ids)
-        grads = torch.autograd.grad(y.square().sum(), (x, *experts.parameters()))
-        results.append([y, *grads])
+    for forward in (grouped_linear, torch.compile(grouped_linear, fullgraph=True, dynamic=False)):
+        y = forward(x, weight, ends)
+        results.append([y, *torch.autograd.grad(y.square().sum(), (x, weight))])
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-IGNORE_INDEX = -100  # targets with this value carry no loss (as `data_pipeline.loader`'s; model code stays light)
+IGNORE_INDEX = (
+    -100
+)  # targets with this value carry no loss (as `data_pipeline.loader`'s; model code stays light)
 
 CHUNK_BYTES = 1 << 21  # one chunk's fp32 rows: a core's L2 (2 MiB on the Xeons measured)
 
