@@ -169,27 +169,34 @@ def preconditioner_bytes(cfg: ModelConfig, optimizer: str) -> int:
     return 4 * FACTORS_PER_SIDE[optimizer] * sides
 
 
-def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bool) -> int:
-    """Elements saved for backward per token, in the training dtype.
+def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bool) -> tuple[int, int]:
+    """(elements saved for backward per token in the training dtype, elements kept in fp32 whatever it is).
 
-    Dense layer: per RMSNorm its input, normalised and scaled outputs (3C, twice); q, k, v and the attention
-    output (2HD + 2GD); gate, up, silu(gate) and their product (4F): 6C + 2HD + 2GD + 4F. A MoE layer replaces
-    4F with, per top-k assignment, the gathered input, gate/up, silu(gate), product and the expert output back
-    in token order (2C + 4I), plus router logits and probabilities (2E). The head keeps the final norm's tensors (3C) and
-    the loss its logits (V; fp32 log-probabilities in fp32, the logits themselves in bf16: `cross_entropy.py`). With activation checkpointing only block inputs are kept, plus one block's
-    working set while it is recomputed. Checked against autograd's saved tensors in tests/unit/test_accounting.py.
+    Dense layer: per RMSNorm its input cast to fp32 (C, fp32), normalised and scaled outputs (2C, twice); q, k, v
+    and the attention output (2HD + 2GD); gate, up, silu(gate) and their product (4F). A MoE layer replaces 4F with,
+    per top-k assignment, the gathered input, gate/up, silu(gate), product and the expert output back in token order
+    (2C + 4I), plus router logits and probabilities (2E, fp32). The head keeps the final norm's tensors and the
+    loss its logits (V; fp32 log-probabilities in fp32, the logits themselves in bf16: `cross_entropy.py`). With
+    activation checkpointing only block inputs are kept, plus one block's working set while it is recomputed.
+    Checked against autograd's saved tensors in tests/unit/test_accounting.py (fp32, and bf16 with SDPA attention;
+    a CPU's bf16 MoE pads each expert's rows to 32 and its short bf16 attention keeps the T×T scores: not counted).
     """
     C, HD, GD = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    per_layer = []
+    per_layer, fp32_per_layer = [], []
     for i in range(cfg.n_layers):
-        ffn = 4 * cfg.d_ff
+        ffn, router = 4 * cfg.d_ff, 0
         if cfg.moe is not None and cfg.is_moe_layer(i):
-            ffn = cfg.moe.top_k * (2 * C + 4 * cfg.moe.d_ff_expert) + 2 * cfg.moe.n_experts
-        per_layer.append(6 * C + 2 * HD + 2 * GD + ffn)
+            ffn = cfg.moe.top_k * (2 * C + 4 * cfg.moe.d_ff_expert)
+            router = 2 * cfg.moe.n_experts
+        per_layer.append(4 * C + 2 * HD + 2 * GD + ffn)
+        fp32_per_layer.append(2 * C + router)
         if cfg.attention != "softmax":  # q and k features and a chunk's scores (an estimate, not checked)
             per_layer[-1] += 2 * cfg.n_heads * cfg.feature_dim + cfg.n_heads * min(CHUNK, cfg.max_seq_len)
-    layers = cfg.n_layers * C + max(per_layer) if activation_checkpointing else sum(per_layer)
-    return layers + 3 * C + cfg.vocab_size
+    if activation_checkpointing:
+        layers, fp32 = cfg.n_layers * C + max(per_layer), max(fp32_per_layer)
+    else:
+        layers, fp32 = sum(per_layer), sum(fp32_per_layer)
+    return layers + 2 * C + cfg.vocab_size, fp32 + C
 
 
 def training_memory(
@@ -220,13 +227,13 @@ def training_memory(
             return int(bytes_per_param * (dense_params + expert_params))
         return int(bytes_per_param * (dense_params / dense_dp + expert_params / expert_dp))
 
-    elements = activation_elements_per_token(cfg, activation_checkpointing)
+    elements, fp32_elements = activation_elements_per_token(cfg, activation_checkpointing)
     tokens = micro_batch * seq_len
     return MemoryEstimate(
         weights=per_device(w, zero_stage >= 3),
         gradients=per_device(g, zero_stage >= 2),
         optimizer=per_device(o, zero_stage >= 1) + preconditioner_bytes(cfg, optimizer),
-        activations=tokens * elements * BYTES_PER_ELEMENT[precision],
+        activations=tokens * (elements * BYTES_PER_ELEMENT[precision] + fp32_elements * 4),
     )
 
 
