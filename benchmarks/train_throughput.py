@@ -12,8 +12,9 @@ All in one run, one JSON line, per model shape (`demo`, the demo's tiny model, a
   TFLOP/s for H100/H200).
 - `<shape>.ratio_moe_vs_dense`: a top-2-of-8 MoE (sort + grouped GEMM dispatch) vs the dense model with the same
   active parameters (d_ff = 2 x expert d_ff), both through our engine. Goal >= 0.90. `moe_optimizer_ms` and
-  `same_active_dense_optimizer_ms`: the optimiser's step in each (the MoE has 2x the parameters to update). With
-  `--compile` also both compiled: `ratio_moe_vs_dense_compiled`, `moe_compiled_tokens_per_s`,
+  `same_active_dense_optimizer_ms`: the optimiser's step in each (the MoE has 2x the parameters to update);
+  `ratio_moe_vs_dense_forward_backward`: the ratio without them (routing, dispatch and grouped GEMMs only). With
+  `--compile` also both compiled: `ratio_moe_vs_dense_compiled` (and `_forward_backward`), `moe_compiled_tokens_per_s`,
   `moe_compiled_optimizer_ms` and `moe_blocks_compiled` (false where the compile's trial step failed and the
   blocks stayed eager).
 - `scaling_2_vs_1_workers`: tokens/s of 2 Ray Train workers over 1 (`lmforge pretrain demo`, ZeRO-2).
@@ -139,6 +140,12 @@ def optimizer_ms(step: Callable[[Batch], None]) -> float:
     return round(1000 * statistics.median(step.optimizer_s), 1)  # type: ignore[attr-defined]
 
 
+def forward_backward_ratio(moe_s: float, dense_s: float, steps: dict[str, Callable[[Batch], None]]) -> float:
+    """MoE/dense tokens/s without the optimiser's step: what routing, dispatch and the grouped GEMMs cost."""
+    dense = dense_s - optimizer_ms(steps["dense"]) / 1000
+    return round(dense / (moe_s - optimizer_ms(steps["moe"]) / 1000), 3)
+
+
 def plain_step(cfg: ModelConfig, device: torch.device, precision: str):
     """The same step as a plain PyTorch loop: AdamW, clipping at 1.0, bf16 autocast when asked."""
     model = Transformer(cfg, seed=0).to(device)
@@ -206,6 +213,7 @@ def measure_shape(name: str, steps: int, device: torch.device, precision: str, c
         "ratio_moe_vs_dense": round(dense_s / moe_s, 3),
         "moe_optimizer_ms": optimizer_ms(contenders["moe"]),
         "same_active_dense_optimizer_ms": optimizer_ms(contenders["dense"]),
+        "ratio_moe_vs_dense_forward_backward": forward_backward_ratio(moe_s, dense_s, contenders),
     }
     if (published := published_peak(device)) is not None:
         report["mfu_vs_published_peak"] = round(flops / engine_s / published, 4)
@@ -229,6 +237,10 @@ def measure_shape(name: str, steps: int, device: torch.device, precision: str, c
         report["moe_compiled_tokens_per_s"] = round(tokens / pair["moe"])
         report["ratio_moe_vs_dense_compiled"] = round(pair["dense"] / pair["moe"], 3)
         report["moe_compiled_optimizer_ms"] = optimizer_ms(moe_step)
+        compiled_pair = {"moe": moe_step, "dense": dense_step}
+        report["ratio_moe_vs_dense_compiled_forward_backward"] = forward_backward_ratio(
+            pair["moe"], pair["dense"], compiled_pair
+        )
         report["moe_blocks_compiled"] = moe_step.compiled_blocks  # type: ignore[attr-defined]
     return report
 
