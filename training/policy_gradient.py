@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from data_pipeline.loader import IGNORE_INDEX
+from training.model.cross_entropy import token_cross_entropy
 
 LossType = Literal["grpo", "bnpo", "dr_grpo"]
 EPS = 1e-4  # TRL's, in the advantages' denominator
@@ -107,10 +107,7 @@ def sequence_kl(old_logps: Tensor, ref_logps: Tensor, mask: Tensor) -> Tensor:
 
 def token_logps(logits: Tensor, targets: Tensor) -> Tensor:
     """Per-token log-probabilities (B, T) of `targets` under `logits` (B, T, V), 0 where a target is ignored."""
-    per_token = torch.nn.functional.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    return -per_token.view(targets.shape)
+    return -token_cross_entropy(logits.flatten(0, 1), targets.flatten()).view(targets.shape)
 
 
 def token_entropy(logits: Tensor) -> Tensor:

@@ -77,20 +77,32 @@ def test_ignore_index_drops_positions_from_the_loss() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunked_cross_entropy_is_torchs_on_fp32_logits(dtype: torch.dtype, monkeypatch) -> None:
-    """Loss and gradient of half-precision logits as `F.cross_entropy` of the logits cast to fp32 (the gradient in the
-    logits' dtype), over chunks of rows with a ragged last one, and compiled (one chunk)."""
+    """Per-token and mean losses of half-precision logits, and their gradients in the logits' dtype, as
+    `F.cross_entropy` of the logits cast to fp32, over chunks of rows with a ragged last one, and compiled (one
+    chunk). Each row's loss weighted differently, as a policy gradient weights its tokens' log-probabilities."""
     monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * 101 * 7)  # 7 rows a chunk: 40 rows in 6 chunks
     logits = (3 * torch.randn(40, 101, generator=torch.Generator().manual_seed(0))).to(dtype).requires_grad_()
     targets = tokens(1, 40).flatten()
     targets[[0, 13, 14, 39]] = IGNORE_INDEX
-    expected = torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX)
-    (expected_grad,) = torch.autograd.grad(3 * expected, logits)
-    for loss_fn in (fused.cross_entropy, torch.compile(fused.cross_entropy, dynamic=False)):
-        loss = loss_fn(logits, targets)
-        (grad,) = torch.autograd.grad(3 * loss, logits)
-        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    weights = torch.rand(40, generator=torch.Generator().manual_seed(1))
+    per_token = torch.nn.functional.cross_entropy(
+        logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    mean = torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX)
+    expected_grads = torch.autograd.grad((weights * per_token).sum() + 3 * mean, logits)
+    for token_fn, mean_fn in (
+        (fused.token_cross_entropy, fused.cross_entropy),
+        (torch.compile(fused.token_cross_entropy), torch.compile(fused.cross_entropy, dynamic=False)),
+    ):
+        ours, ours_mean = token_fn(logits, targets), mean_fn(logits, targets)
+        torch.testing.assert_close(ours, per_token, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours_mean, mean, rtol=1e-6, atol=0)
+        (grad,) = torch.autograd.grad((weights * ours).sum() + 3 * ours_mean, logits)
         assert grad.dtype == dtype and not grad[[0, 13, 14, 39]].any()
-        torch.testing.assert_close(grad.float(), expected_grad.float(), rtol=0, atol=1e-7)
+        # equal up to one rounding to the logits' dtype
+        torch.testing.assert_close(
+            grad.float(), expected_grads[0].float(), rtol=torch.finfo(dtype).eps, atol=1e-7
+        )
     assert fused.IGNORE_INDEX == IGNORE_INDEX  # the loader's padding value
 
 

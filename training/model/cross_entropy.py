@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-IGNORE_INDEX = (
-    -100
-)  # targets with this value carry no loss (as `data_pipeline.loader`'s; model code stays light)
+# targets with this value carry no loss (as `data_pipeline.loader`'s; model code stays light)
+IGNORE_INDEX = -100
 
 CHUNK_BYTES = 1 << 21  # one chunk's fp32 rows: a core's L2 (2 MiB on the Xeons measured)
 
@@ -30,7 +29,15 @@ def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     carry loss of log-sum-exp(logits) − logits[target], in fp32 (NaN when no row does, as `F.cross_entropy`)."""
     if logits.dtype == torch.float32:
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
-    return _CrossEntropy.apply(logits, targets)
+    return token_cross_entropy(logits, targets).sum() / (targets != IGNORE_INDEX).sum()
+
+
+def token_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Each row's log-sum-exp(logits) − logits[target] (R,) in fp32, 0 where the target is IGNORE_INDEX: minus the
+    target's log-probability (the policy's and DPO's per-token log-probabilities)."""
+    if logits.dtype == torch.float32:
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
+    return _TokenCrossEntropy.apply(logits, targets)
 
 
 def _chunk_rows(logits: Tensor) -> int:
@@ -40,7 +47,7 @@ def _chunk_rows(logits: Tensor) -> int:
     return max(1, CHUNK_BYTES // (4 * logits.shape[1]))
 
 
-class _CrossEntropy(torch.autograd.Function):
+class _TokenCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:  # type: ignore[override]
         rows = _chunk_rows(logits)
@@ -48,15 +55,14 @@ class _CrossEntropy(torch.autograd.Function):
         target = torch.where(carries, targets, 0)
         lse = torch.cat([torch.logsumexp(chunk.float(), -1) for chunk in logits.split(rows)])  # (R,)
         picked = logits.gather(-1, target[:, None]).squeeze(-1).float()
-        count = carries.sum()
-        ctx.save_for_backward(logits, lse, target, carries, count)
+        ctx.save_for_backward(logits, lse, target, carries)
         ctx.rows = rows
-        return torch.where(carries, lse - picked, 0.0).sum() / count
+        return torch.where(carries, lse - picked, 0.0)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        logits, lse, target, carries, count = ctx.saved_tensors
-        scale = torch.where(carries, grad / count, 0.0)[:, None]  # (R, 1)
+        logits, lse, target, carries = ctx.saved_tensors
+        scale = torch.where(carries, grad, 0.0)[:, None]  # (R, 1)
         out = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.rows):
             end = min(start + ctx.rows, logits.shape[0])
