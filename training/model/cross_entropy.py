@@ -1,4 +1,5 @@
-"""Mean next-token cross-entropy over the vocabulary, in fp32, without a full-size fp32 copy of bf16/fp16 logits.
+"""Next-token cross-entropy over the vocabulary, in fp32, without a full-size fp32 copy of bf16/fp16 logits: the mean
+(the training loss) and each row's (`token_cross_entropy`: minus the per-token log-probabilities of DPO and RL).
 
 `F.cross_entropy(logits.float(), ...)` on bf16 logits of R rows and V columns makes, eagerly, a fp32 copy, its
 log-softmax (kept for the backward: 4 bytes per logit), a zero-filled gradient and the log-softmax's backward, each a
