@@ -8,7 +8,7 @@ log-sum-exp, and the backward writes softmax − one-hot straight into a gradien
 rows at a time that fits in a core's L2 cache. Compiled (`training/compile.py`) it runs as one chunk, which Inductor
 fuses into a pass each way. The result equals `F.cross_entropy` on the fp32 logits to float rounding. At d_model 384,
 vocab 8,192, 1,024 tokens, bf16, one core (`benchmarks/cross_entropy.py`): the head and loss forward and backward
-55-56 -> 49-50 ms eager, 45-46 -> 41-42 ms compiled (its GEMMs alone 21-22); an engine step 1.3% (eager) / 1.6%
+55-57 -> 49-50 ms eager, 43-46 -> 41-42 ms compiled (its GEMMs alone 21-22); an engine step 1.3% (eager) / 1.6%
 (compiled) faster. fp32 logits go to `F.cross_entropy`: there is no copy to avoid, and its fused log-softmax made a
 step 2.4-2.8% faster than the chunks.
 """
