@@ -106,6 +106,14 @@ def test_chunked_cross_entropy_is_torchs_on_fp32_logits(dtype: torch.dtype, monk
     assert fused.IGNORE_INDEX == IGNORE_INDEX  # the loader's padding value
 
 
+def test_cross_entropy_chunks_fit_a_cpus_cache_and_are_few_elsewhere() -> None:
+    """At a 50k vocabulary a CPU's chunk is 10 rows (2 MiB of fp32); on another device (here the meta one) 1,342
+    rows (256 MiB): a few large chunks, not hundreds of kernel launches."""
+    on_cpu = torch.empty(1, 1, dtype=torch.bfloat16).expand(8192, 50_000)  # the shape, no memory
+    assert fused._chunk_rows(on_cpu) == 10
+    assert fused._chunk_rows(torch.empty(8192, 50_000, dtype=torch.bfloat16, device="meta")) == 1342
+
+
 def test_init_is_deterministic_per_seed() -> None:
     a, b, c = Transformer(MOE, seed=7), Transformer(MOE, seed=7), Transformer(MOE, seed=8)
     for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):

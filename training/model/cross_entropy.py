@@ -22,7 +22,10 @@ from torch import Tensor
 # targets with this value carry no loss (as `data_pipeline.loader`'s; model code stays light)
 IGNORE_INDEX = -100
 
-CHUNK_BYTES = 1 << 21  # one chunk's fp32 rows: a core's L2 (2 MiB on the Xeons measured)
+CHUNK_BYTES = 1 << 21  # one chunk's fp32 rows on a CPU: a core's L2 (2 MiB on the Xeons measured)
+# elsewhere (a GPU) a bound on the backward's transient fp32 softmax, in a few chunks: a CPU's chunk would be ~10
+# rows at a vocabulary of 50k, hundreds of kernel launches (not measured: no GPU yet)
+DEVICE_CHUNK_BYTES = 1 << 28
 
 
 def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
@@ -42,10 +45,12 @@ def token_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def _chunk_rows(logits: Tensor) -> int:
-    """Rows a chunk holds: all of them while torch.compile traces (Inductor fuses the passes), else an L2's worth."""
+    """Rows a chunk holds: all of them while torch.compile traces (Inductor fuses the passes), else an L2's worth on
+    a CPU and `DEVICE_CHUNK_BYTES` of fp32 elsewhere."""
     if torch.compiler.is_compiling():
         return logits.shape[0]
-    return max(1, CHUNK_BYTES // (4 * logits.shape[1]))
+    budget = CHUNK_BYTES if logits.device.type == "cpu" else DEVICE_CHUNK_BYTES
+    return max(1, budget // (4 * logits.shape[1]))
 
 
 class _TokenCrossEntropy(torch.autograd.Function):
