@@ -225,10 +225,11 @@ class CurveLaw:
 
     @classmethod
     def from_theta(cls, theta: np.ndarray) -> CurveLaw:
-        e, a, alpha, b, beta, d, c = (float(x) for x in theta)
-        return cls(
-            E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=alpha, beta=beta, D=math.exp(d), C=math.exp(c)
-        )
+        """Parameters from their logs (α, β as they are); a log past a float's range gives inf, not an error (a
+        least-squares trial step far out: it shrinks its step on the non-finite residuals)."""
+        with np.errstate(over="ignore"):
+            e, a, b, d, c = (float(x) for x in np.exp(np.asarray(theta, dtype=float)[[0, 1, 3, 5, 6]]))
+        return cls(E=e, A=a, B=b, alpha=float(theta[2]), beta=float(theta[4]), D=d, C=c)
 
     def loss(self, n: np.ndarray | float, s1: np.ndarray, annealing: Annealing) -> np.ndarray:
         s1 = np.asarray(s1, dtype=float)
@@ -359,8 +360,11 @@ def fit_curve_law(
     best = None
     for i in range(N_STARTS):
         theta0 = base + (rng.normal(0.0, 0.5, base.size) if i else 0.0)
-        with np.errstate(over="ignore", invalid="ignore"):
-            sol = least_squares(residuals, theta0, loss="soft_l1", f_scale=ROBUST_SCALE, max_nfev=2000)
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                sol = least_squares(residuals, theta0, loss="soft_l1", f_scale=ROBUST_SCALE, max_nfev=2000)
+        except ValueError:  # a start whose residuals are not finite: the next one
+            continue
         if np.isfinite(sol.cost) and (best is None or sol.cost < best.cost):
             best = sol
     if best is None:

@@ -83,6 +83,14 @@ def test_the_fit_recovers_a_known_law_and_predicts_another_size_and_schedule() -
     assert np.abs(predicted / true - 1).max() < 0.01
 
 
+def test_a_trial_step_past_a_floats_range_is_an_infinite_law_not_an_error() -> None:
+    """least_squares shrinks its step where the residuals are not finite; an OverflowError from the parameters'
+    logs ended a bf16 smoke pipeline's fit stage in a traceback."""
+    far = CurveLaw.from_theta(np.array([0.7, 800.0, 0.8, -0.3, 0.57, -1.6, -2.0]))  # log A = 800
+    assert np.isinf(far.A) and pytest.approx(np.exp(0.7)) == far.E
+    assert not np.isfinite(far.curve(1e4, Schedule.of(wsd(800), 800, PER_STEP), [400])).any()
+
+
 def test_a_law_needs_runs_of_two_sizes() -> None:
     rng = np.random.default_rng(1)
     with pytest.raises(ValueError, match="2 or more sizes"):
