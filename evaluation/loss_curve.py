@@ -211,6 +211,14 @@ def run_curve(run_dir: str | Path, n: float, min_step: int = 1) -> CurvePoints |
     return curve_points(n, losses, schedules, lambda s: Schedule.ending(optim, s, per_step), str(run_dir))
 
 
+def _exp(x: float) -> float:
+    """`math.exp`, inf past a float's range."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 @dataclass(frozen=True)
 class CurveLaw:
     """The law in the module docstring (S1 in millions of tokens, S_k in steps at the peak rate)."""
@@ -227,8 +235,7 @@ class CurveLaw:
     def from_theta(cls, theta: np.ndarray) -> CurveLaw:
         """Parameters from their logs (α, β as they are); a log past a float's range gives inf, not an error (a
         least-squares trial step far out: it shrinks its step on the non-finite residuals)."""
-        with np.errstate(over="ignore"):
-            e, a, b, d, c = (float(x) for x in np.exp(np.asarray(theta, dtype=float)[[0, 1, 3, 5, 6]]))
+        e, a, b, d, c = (_exp(float(theta[i])) for i in (0, 1, 3, 5, 6))
         return cls(E=e, A=a, B=b, alpha=float(theta[2]), beta=float(theta[4]), D=d, C=c)
 
     def loss(self, n: np.ndarray | float, s1: np.ndarray, annealing: Annealing) -> np.ndarray:
