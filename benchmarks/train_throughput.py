@@ -231,17 +231,18 @@ def measure_shape(name: str, steps: int, device: torch.device, precision: str, c
         del step
         release()
         # built side by side, as the eager pair (an engine built before another's ran 10-40% slower beside it)
-        moe_step = engine_step(moe, seq, micro, device, precision, True)
-        dense_step = engine_step(same_active, seq, micro, device, precision, True)
-        pair = time_interleaved({"moe": moe_step, "dense": dense_step}, data)
+        compiled = {
+            "moe": engine_step(moe, seq, micro, device, precision, True),
+            "dense": engine_step(same_active, seq, micro, device, precision, True),
+        }
+        pair = time_interleaved(compiled, data)
         report["moe_compiled_tokens_per_s"] = round(tokens / pair["moe"])
         report["ratio_moe_vs_dense_compiled"] = round(pair["dense"] / pair["moe"], 3)
-        report["moe_compiled_optimizer_ms"] = optimizer_ms(moe_step)
-        compiled_pair = {"moe": moe_step, "dense": dense_step}
+        report["moe_compiled_optimizer_ms"] = optimizer_ms(compiled["moe"])
         report["ratio_moe_vs_dense_compiled_forward_backward"] = forward_backward_ratio(
-            pair["moe"], pair["dense"], compiled_pair
+            pair["moe"], pair["dense"], compiled
         )
-        report["moe_blocks_compiled"] = moe_step.compiled_blocks  # type: ignore[attr-defined]
+        report["moe_blocks_compiled"] = compiled["moe"].compiled_blocks  # type: ignore[attr-defined]
     return report
 
 

@@ -11,10 +11,10 @@ demo's runs take. An MoE block compiles with automatic dynamic shapes (its exper
 one symbolic graph after the first change, where static shapes recompiled every few steps); on a CPU auto compiles
 it in bf16 from d_model 256: at 384 a step took 251-257 instead of 328-339 ms (its optimiser compiled both ways),
 the compile ~1 s more from a warm Inductor cache (paid after ~12 steps), ~20 s cold. In fp32 it compiles (through
-`moe.grouped_mm`) but a step was no faster (612 vs 608 ms at d_model 384, interleaved), so auto leaves it eager; linear
-attention stays eager under auto: not measured. A platform where compile is unavailable stays eager (with one warning when compile was asked for);
-a failure on the trial step falls back to eager with one warning; neither stops a run. Decoding with a cache
-stays eager (shapes change every token).
+`moe.grouped_mm`) but a step was no faster (612 vs 608 ms at d_model 384, interleaved), so auto leaves it eager;
+linear attention stays eager under auto: not measured. A platform where compile is unavailable stays eager (with one
+warning when compile was asked for); a failure on the trial step falls back to eager with one warning; neither stops
+a run. Decoding with a cache stays eager (shapes change every token).
 """
 
 from __future__ import annotations

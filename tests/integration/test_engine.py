@@ -286,8 +286,8 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning() -> None:
 
 def test_compile_is_auto_on_cuda_and_for_wide_dense_models_on_a_cpu() -> None:
     """auto: every model on CUDA; on a CPU softmax-attention models from d_model 256 (384: compile paid back after
-    ~100 steps), not the demo's 64 (~10,000 steps), MoE in bf16 only (in fp32 `grouped_mm` cannot compile), not
-    linear attention (not measured). The bf16
+    ~100 steps), not the demo's 64 (~10,000 steps), MoE in bf16 only (in fp32 a compiled MoE step was no faster),
+    not linear attention (not measured). The bf16
     optimiser step (`MasterWeights`) compiles under auto from d_model 256 on a CPU, MoE and linear attention
     included (its shapes never change), not on CUDA (not measured there)."""
     from training.compile import compiles_optimizer, wants_compile
