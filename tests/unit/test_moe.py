@@ -98,10 +98,14 @@ def test_layer_placement(first_k_dense: int, every: int, expected: list[int]) ->
     assert [i for i in range(4) if cfg.is_moe_layer(i)] == expected
 
 
-def test_padded_expert_rows_change_nothing_but_the_layout(generator: torch.Generator) -> None:
-    """Each expert's rows padded to a multiple of 32 (what a CPU does in bf16, so oneDNN reuses its GEMM kernels):
-    every group starts at a multiple of 32 and holds its own assignments, and the output and every gradient equal
-    the packed layout's, on skewed routing (one expert empty, one with most tokens)."""
+def test_padded_expert_rows_change_nothing_but_the_layout(
+    generator: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each expert's rows padded to a multiple of 32 (what a CPU does in bf16, so oneDNN reuses its GEMM kernels),
+    or all to the largest expert's (one batched GEMM): every group starts where it should and holds its own
+    assignments, and the output and every gradient equal the packed layout's, on skewed routing (one expert empty,
+    one with most tokens)."""
+    from training.model import moe as moe_module
     from training.model.moe import padded_rows
 
     counts = torch.tensor([3, 0, 40, 1])
@@ -109,6 +113,9 @@ def test_padded_expert_rows_change_nothing_but_the_layout(generator: torch.Gener
     rows, ends = padded_rows(counts, sorted_ids, 32)
     assert ends.tolist() == [32, 32, 96, 128] and ends.dtype == torch.int32
     assert rows.tolist() == [0, 1, 2, *range(32, 72), 96]
+    rows, ends = padded_rows(counts, sorted_ids, 32, batched=True)
+    assert ends.tolist() == [64, 128, 192, 256] and ends.dtype == torch.int32
+    assert rows.tolist() == [0, 1, 2, *range(128, 168), 192]
     moe = MoE(16, MoEConfig(n_experts=4, top_k=2, d_ff_expert=8))
     with torch.no_grad():
         for p in moe.parameters():
@@ -116,15 +123,27 @@ def test_padded_expert_rows_change_nothing_but_the_layout(generator: torch.Gener
         moe.gate.weight.mul_(5)
     x = torch.randn(40, 16, generator=generator)
     results = []
-    for multiple in (1, 32):
+    for multiple, batch_padding in [(1, 0.0), (32, 0.0), (32, math.inf)]:
+        monkeypatch.setattr(moe_module, "BATCH_PADDING", batch_padding)
         moe.zero_grad()
         inputs = x.clone().requires_grad_()
         weights, ids, _, _ = moe.gate(inputs)
         y = moe.experts(inputs, weights, ids, row_multiple=multiple)
         y.square().sum().backward()
         results.append([y, inputs.grad, *(p.grad.clone() for p in moe.parameters())])
-    for packed, padded in zip(*results, strict=True):
-        torch.testing.assert_close(padded, packed, rtol=1e-6, atol=1e-6)
+    for packed, *padded in zip(*results, strict=True):
+        for layout in padded:
+            torch.testing.assert_close(layout, packed, rtol=1e-6, atol=1e-6)
+
+
+def test_experts_batch_their_gemms_where_padding_to_the_largest_adds_little() -> None:
+    """One batched GEMM for all experts where padding every expert to the largest one's rows adds at most a quarter
+    more rows than padding each to 32; the loop of per-expert GEMMs on skewed routing."""
+    from training.model.moe import pays_to_batch
+
+    assert pays_to_batch(torch.tensor([263, 249, 253, 286, 257, 270, 233, 237]), 32)  # 8 x 288 rows vs 2,176
+    assert not pays_to_batch(torch.tensor([44, 345, 0, 450, 14, 552, 205, 438]), 32)  # 8 x 576 vs 2,176
+    assert pays_to_batch(torch.tensor([30, 1, 2, 3]), 32)  # every expert 32 rows either way
 
 
 def test_experts_compute_in_the_autocast_dtype_and_pad_on_a_cpu_in_bf16() -> None:
