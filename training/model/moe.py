@@ -85,8 +85,8 @@ class Experts(nn.Module):
             source = torch.full((int(ends[-1]),), n_tokens, dtype=order.dtype, device=x.device)
             source[rows] = order // top_k
             routed = F.pad(x, (0, 0, 0, 1)).index_select(0, source)
-        linear = batched_linear if batched else grouped_linear
-        y = linear(swiglu(linear(routed, self.gate_up_proj, ends)), self.down_proj, ends)  # (rows, H), by expert
+        hidden = swiglu(grouped_linear(routed, self.gate_up_proj, ends, batched))  # (rows, I)
+        y = grouped_linear(hidden, self.down_proj, ends, batched)  # (rows, H), grouped by expert
         # back in (token, choice) order
         y = y.index_select(0, rows[order.argsort()]).view(n_tokens, top_k, -1)
         return (y * weights.unsqueeze(-1)).sum(dim=1)
@@ -140,29 +140,52 @@ def padded_rows(
     return rows, ends.to(torch.int32)
 
 
-def grouped_linear(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
+def grouped_linear(x: Tensor, weight: Tensor, ends: Tensor, batched: bool = False) -> Tensor:
     """Rows of x (M, in) grouped by expert (group e ends at row `ends[e]`) times their expert's weight (E, out, in)
-    transposed, in one `grouped_mm` call (CUTLASS on Hopper in bf16; a loop inside PyTorch elsewhere). Without
-    `grouped_mm` (PyTorch < 2.8), or with widths whose rows are not 16-byte aligned as it requires, a Python loop
-    over experts."""
+    transposed: one `grouped_mm` call (CUTLASS on Hopper in bf16; a loop inside PyTorch elsewhere), or one `bmm`
+    where every group has the same rows (`batched`, `padded_rows(..., batched=True)`). Without `grouped_mm`
+    (PyTorch < 2.8), or with widths whose rows are not 16-byte aligned as it requires, a Python loop over experts."""
     # cast as autocast does for `F.linear` (else the experts run in fp32 under bf16 autocast, at a third of the
     # dense layers' pace); the GEMM takes one dtype
     dtype = compute_dtype(x)
     x, weight = x.to(dtype), weight.to(dtype)
-    if GROUPED_MM is not None and all(d * x.element_size() % 16 == 0 for d in weight.shape[1:]):
-        if dtype != torch.bfloat16 and torch.compiler.is_compiling():
-            return grouped_mm(x, weight.transpose(1, 2), ends)
-        return GROUPED_MM(x, weight.transpose(1, 2), offs=ends)
+    if batched or (GROUPED_MM is not None and all(d * x.element_size() % 16 == 0 for d in weight.shape[1:])):
+        return _GroupedLinear.apply(x, weight, ends, batched)
     bounds = [0, *ends.tolist()]
     return torch.cat([F.linear(x[a:b], weight[e]) for e, (a, b) in enumerate(itertools.pairwise(bounds))])
 
 
-def batched_linear(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
-    """`grouped_linear` where every group has the same rows (`padded_rows(..., batched=True)`): one `bmm`."""
-    dtype = compute_dtype(x)
-    x, weight = x.to(dtype), weight.to(dtype)
-    y = torch.bmm(x.view(weight.shape[0], -1, x.shape[-1]), weight.transpose(1, 2))  # (E, rows / E, out)
-    return y.view(x.shape[0], -1)
+class _GroupedLinear(torch.autograd.Function):
+    """`grouped_linear`'s GEMMs with the weight's gradient made in the weight's own layout (E, out, in), as
+    `F.linear`'s is: autograd's, through `weight.transpose(1, 2)`, is its transpose, which accumulating into `.grad`
+    copies (on a CPU at d_model 384 that copy and the slower transposed product took half the weight gradient's
+    time)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, ends: Tensor, batched: bool) -> Tensor:  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x, weight, ends)
+        ctx.batched = batched
+        return _grouped_mm(x, weight.transpose(1, 2), ends, batched)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[no-untyped-def]
+        x, weight, ends = ctx.saved_tensors
+        grad_x = _grouped_mm(grad, weight, ends, ctx.batched) if ctx.needs_input_grad[0] else None
+        grad_weight = _grouped_mm(grad.t(), x, ends, ctx.batched) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight, None, None
+
+
+def _grouped_mm(a: Tensor, b: Tensor, ends: Tensor, batched: bool) -> Tensor:
+    """(M, K) x (E, K, N) -> (M, N), each group of rows times its own matrix; or (K, M) x (M, N) -> (E, K, N), one
+    product per group of the M columns and rows. `batched`: the groups are equal, as a `bmm`."""
+    if batched:
+        groups = ends.numel()
+        if b.dim() == 3:
+            return torch.bmm(a.view(groups, -1, a.shape[-1]), b).view(a.shape[0], -1)
+        return torch.bmm(a.view(a.shape[0], groups, -1).transpose(0, 1), b.view(groups, -1, b.shape[-1]))
+    if a.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return grouped_mm(a, b, ends)
+    return GROUPED_MM(a, b, offs=ends)
 
 
 BATCH_PADDING = 1.25
@@ -173,8 +196,8 @@ GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", Non
 def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """`GROUPED_MM(a, b, offs=offs)` as an opaque op, for torch.compile in dtypes other than bf16: torch 2.13's fake
     kernel for `grouped_mm` repeats the CUDA kernel's bf16-only check, while the eager op (on a CPU, and CUDA's
-    fallback) computes fp32 and fp16 too. (M, K) x (E, K, N) -> (M, N); the weight gradient (K, M) x (M, N) ->
-    (E, K, N)."""
+    fallback) computes fp32 and fp16 too. (M, K) x (E, K, N) -> (M, N); (K, M) x (M, N) -> (E, K, N). Its gradients
+    are `_GroupedLinear`'s."""
     assert GROUPED_MM is not None
     return GROUPED_MM(a, b, offs=offs)
 
@@ -184,18 +207,6 @@ def _(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     if b.dim() == 3:
         return a.new_empty(a.shape[0], b.shape[-1])
     return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
-
-
-def _save_operands(ctx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:  # type: ignore[no-untyped-def]
-    ctx.save_for_backward(*inputs)
-
-
-def _grouped_mm_backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[no-untyped-def]
-    a, b, offs = ctx.saved_tensors
-    return grouped_mm(grad, b.transpose(1, 2), offs), grouped_mm(a.t(), grad, offs), None
-
-
-grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_save_operands)
 
 
 class MoE(nn.Module):
