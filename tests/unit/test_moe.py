@@ -69,9 +69,13 @@ def test_dispatch_is_dropless_and_matches_a_per_token_loop(generator: torch.Gene
         for p in moe.parameters():
             p.normal_(generator=generator)
         moe.gate.weight.mul_(5)  # skewed routing: some experts take most tokens
-    x = torch.randn(1, 40, 16, generator=generator)
+    x = torch.randn(1, 40, 16, generator=generator, requires_grad=True)
     y, stats = moe(x)
     assert int(stats.tokens_per_expert.sum()) == 40 * 2
+    y.square().sum().backward()  # the gradients too, the experts' weights' in their own layout
+    grads = [t.grad.clone() for t in (x, *moe.parameters())]
+    x.grad = None
+    moe.zero_grad()
     weights, ids, _, _ = moe.gate(x[0])
     gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
     expected = torch.zeros(40, 16)
@@ -80,6 +84,9 @@ def test_dispatch_is_dropless_and_matches_a_per_token_loop(generator: torch.Gene
             g, u = (gate_up[ids[n, k]] @ x[0, n]).chunk(2)
             expected[n] += weights[n, k] * (down[ids[n, k]] @ (torch.nn.functional.silu(g) * u))
     torch.testing.assert_close(y[0], expected, rtol=1e-5, atol=1e-5)
+    expected.square().sum().backward()
+    for got, want in zip(grads, (x.grad, *(p.grad for p in moe.parameters())), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
 def test_router_losses_carry_gradients(generator: torch.Generator) -> None:

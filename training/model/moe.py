@@ -8,7 +8,9 @@ Deviations, on purpose:
   routing for any k (Hugging Face's Mixtral loss equals top_k there). Coefficients therefore do not depend on k.
 - Losses are returned to the caller, never stored on the module, so activation checkpointing keeps their graph.
 - Dispatch is dropless: every token reaches all of its top_k experts; there is no capacity factor. The
-  assignments are sorted by expert and run as one grouped GEMM per projection (as torchtitan and OLMo-core do).
+  assignments are sorted by expert and run as one grouped GEMM per projection (as torchtitan and OLMo-core do);
+  on a CPU in bf16, where that is a loop of small GEMMs, as one batched GEMM when padding every expert to the
+  largest one's rows costs little (`pays_to_batch`). The experts' weight gradients are made in their own layout.
 
 Parameter names follow Hugging Face transformers v5 Mixtral (`mlp.gate.weight`, `mlp.experts.gate_up_proj`,
 `mlp.experts.down_proj`) so a checkpoint maps onto `MixtralForCausalLM` key for key.
