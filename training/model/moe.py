@@ -80,7 +80,9 @@ class Experts(nn.Module):
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # no host sync
         multiple = row_multiple or gemm_row_multiple(x)
         batched = multiple > 1 and pays_to_batch(counts, multiple)
-        rows, ends = padded_rows(counts, flat_ids[order], multiple, batched)  # each sorted assignment's GEMM row
+        rows, ends = padded_rows(
+            counts, flat_ids[order], multiple, batched
+        )  # each sorted assignment's GEMM row
         if multiple == 1:
             routed = x.index_select(0, order // top_k)  # (N*K, H): each sorted assignment's token
         else:  # padding rows read an appended zero row (a CPU: the host knows the total at no cost)
@@ -121,8 +123,9 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 def pays_to_batch(counts: Tensor, multiple: int) -> bool:
     """Whether the experts' GEMMs run as one batched GEMM, every expert padded to the largest one's rows: where
     that adds at most `BATCH_PADDING` more rows than padding each to `multiple`. A CPU runs `grouped_mm` as a loop
-    of small GEMMs: one `bmm` was 2.5-3x faster at the demo's shape on balanced routing, 1.1-1.3x at d_model 384,
-    and each padded row costs its share of every GEMM and of the gather, SiLU and scatter around them."""
+    of small GEMMs: on balanced routing one `bmm` was 2.5-3x faster at the demo's shape, 1.1-1.3x at d_model 384,
+    but each padded row costs its share of every GEMM and of the gather, SiLU and scatter around them (a whole
+    layer's forward and backward: 1.2x faster at the demo's shape, no faster at d_model 384 with 11% more rows)."""
     padded = (counts + multiple - 1) // multiple * multiple
     return int(padded.max()) * counts.numel() <= BATCH_PADDING * int(padded.sum())
 
@@ -158,10 +161,9 @@ def grouped_linear(x: Tensor, weight: Tensor, ends: Tensor, batched: bool = Fals
 
 
 class _GroupedLinear(torch.autograd.Function):
-    """`grouped_linear`'s GEMMs with the weight's gradient made in the weight's own layout (E, out, in), as
-    `F.linear`'s is: autograd's, through `weight.transpose(1, 2)`, is its transpose, which accumulating into `.grad`
-    copies (on a CPU at d_model 384 that copy and the slower transposed product took half the weight gradient's
-    time)."""
+    """`grouped_linear`'s GEMMs, the weight's gradient made in the weight's own layout (E, out, in) as `F.linear`'s
+    and `grouped_mm`'s backward make it: autograd's for a `bmm` with `weight.transpose(1, 2)` is its transpose, which
+    accumulating into `.grad` copies (an MoE layer's forward and backward 1.2x slower at d_model 384 on a CPU)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, ends: Tensor, batched: bool) -> Tensor:  # type: ignore[no-untyped-def]
@@ -198,8 +200,8 @@ GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", Non
 def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """`GROUPED_MM(a, b, offs=offs)` as an opaque op, for torch.compile in dtypes other than bf16: torch 2.13's fake
     kernel for `grouped_mm` repeats the CUDA kernel's bf16-only check, while the eager op (on a CPU, and CUDA's
-    fallback) computes fp32 and fp16 too. (M, K) x (E, K, N) -> (M, N); (K, M) x (M, N) -> (E, K, N). Its gradients
-    are `_GroupedLinear`'s."""
+    fallback) computes fp32 and fp16 too. (M, K) x (E, K, N) -> (M, N); (K, M) x (M, N) -> (E, K, N). Called
+    inside `_GroupedLinear`, which makes the gradients."""
     assert GROUPED_MM is not None
     return GROUPED_MM(a, b, offs=offs)
 
