@@ -166,17 +166,19 @@ def test_experts_compute_in_the_autocast_dtype_and_pad_on_a_cpu_in_bf16() -> Non
         assert gemm_row_multiple(x) == 32
 
 
-def test_experts_compile_in_fp32(generator: torch.Generator) -> None:
+@pytest.mark.parametrize(("dtype", "batched"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_experts_compile(generator: torch.Generator, dtype: torch.dtype, batched: bool) -> None:
     """torch.compile's fake kernel for `grouped_mm` takes bf16 only; compiled fp32 expert GEMMs go through lmforge's
-    own op (`moe.grouped_mm`) with the eager op's outputs and gradients."""
+    own op (`moe.grouped_mm`) with the eager op's outputs and gradients. The batched layout (a CPU's bf16) compiles
+    too, its gradients the eager ones."""
     from training.model.moe import grouped_linear
 
-    x = torch.randn(12, 16, generator=generator, requires_grad=True)
-    weight = torch.randn(3, 8, 16, generator=generator, requires_grad=True)  # (E, out, in)
-    ends = torch.tensor([4, 4, 12], dtype=torch.int32)  # an expert without rows too
+    x = torch.randn(12, 16, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(3, 8, 16, generator=generator).to(dtype).requires_grad_()  # (E, out, in)
+    ends = torch.tensor([4, 8, 12] if batched else [4, 4, 12], dtype=torch.int32)  # an expert without rows too
     results = []
     for forward in (grouped_linear, torch.compile(grouped_linear, fullgraph=True, dynamic=False)):
-        y = forward(x, weight, ends)
-        results.append([y, *torch.autograd.grad(y.square().sum(), (x, weight))])
+        y = forward(x, weight, ends, batched)
+        results.append([y, *torch.autograd.grad(y.float().square().sum(), (x, weight))])
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
