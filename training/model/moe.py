@@ -10,7 +10,7 @@ Deviations, on purpose:
 - Dispatch is dropless: every token reaches all of its top_k experts; there is no capacity factor. The
   assignments are sorted by expert and run as one grouped GEMM per projection (as torchtitan and OLMo-core do);
   on a CPU in bf16, where that is a loop of small GEMMs, as one batched GEMM when padding every expert to the
-  largest one's rows costs little (`pays_to_batch`). The experts' weight gradients are made in their own layout.
+  largest one's rows costs little (`pays_to_batch`).
 
 Parameter names follow Hugging Face transformers v5 Mixtral (`mlp.gate.weight`, `mlp.experts.gate_up_proj`,
 `mlp.experts.down_proj`) so a checkpoint maps onto `MixtralForCausalLM` key for key.
@@ -154,42 +154,36 @@ def grouped_linear(x: Tensor, weight: Tensor, ends: Tensor, batched: bool = Fals
     # dense layers' pace); the GEMM takes one dtype
     dtype = compute_dtype(x)
     x, weight = x.to(dtype), weight.to(dtype)
-    if batched or (GROUPED_MM is not None and all(d * x.element_size() % 16 == 0 for d in weight.shape[1:])):
-        return _GroupedLinear.apply(x, weight, ends, batched)
+    if batched:
+        return _BatchedLinear.apply(x, weight)
+    if GROUPED_MM is not None and all(d * x.element_size() % 16 == 0 for d in weight.shape[1:]):
+        if dtype != torch.bfloat16 and torch.compiler.is_compiling():
+            return grouped_mm(x, weight.transpose(1, 2), ends)
+        return GROUPED_MM(x, weight.transpose(1, 2), offs=ends)
     bounds = [0, *ends.tolist()]
     return torch.cat([F.linear(x[a:b], weight[e]) for e, (a, b) in enumerate(itertools.pairwise(bounds))])
 
 
-class _GroupedLinear(torch.autograd.Function):
-    """`grouped_linear`'s GEMMs, the weight's gradient made in the weight's own layout (E, out, in) as `F.linear`'s
-    and `grouped_mm`'s backward make it: autograd's for a `bmm` with `weight.transpose(1, 2)` is its transpose, which
-    accumulating into `.grad` copies (an MoE layer's forward and backward 1.2x slower at d_model 384 on a CPU)."""
+class _BatchedLinear(torch.autograd.Function):
+    """Rows of x (M, in) in E equal groups times their expert's weight (E, out, in) transposed, as one `bmm`, the
+    weight's gradient made in the weight's own layout (as `F.linear`'s and `grouped_mm`'s backward make it):
+    autograd's, through `weight.transpose(1, 2)`, is its transpose, which accumulating into `.grad` copies (an MoE
+    layer's forward and backward 1.2x slower at d_model 384 on a CPU)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, ends: Tensor, batched: bool) -> Tensor:  # type: ignore[no-untyped-def]
-        ctx.save_for_backward(x, weight, ends)
-        ctx.batched = batched
-        return _grouped_mm(x, weight.transpose(1, 2), ends, batched)
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x, weight)
+        groups = x.view(weight.shape[0], -1, x.shape[-1])  # (E, M / E, in)
+        return torch.bmm(groups, weight.transpose(1, 2)).view(x.shape[0], -1)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[no-untyped-def]
-        x, weight, ends = ctx.saved_tensors
-        grad_x = _grouped_mm(grad, weight, ends, ctx.batched) if ctx.needs_input_grad[0] else None
-        grad_weight = _grouped_mm(grad.t(), x, ends, ctx.batched) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_weight, None, None
-
-
-def _grouped_mm(a: Tensor, b: Tensor, ends: Tensor, batched: bool) -> Tensor:
-    """(M, K) x (E, K, N) -> (M, N), each group of rows times its own matrix; or (K, M) x (M, N) -> (E, K, N), one
-    product per group of the M columns and rows. `batched`: the groups are equal, as a `bmm`."""
-    if batched:
-        groups = ends.numel()
-        if b.dim() == 3:
-            return torch.bmm(a.view(groups, -1, a.shape[-1]), b).view(a.shape[0], -1)
-        return torch.bmm(a.view(a.shape[0], groups, -1).transpose(0, 1), b.view(groups, -1, b.shape[-1]))
-    if a.dtype != torch.bfloat16 and torch.compiler.is_compiling():
-        return grouped_mm(a, b, ends)
-    return GROUPED_MM(a, b, offs=ends)
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[no-untyped-def]
+        x, weight = ctx.saved_tensors
+        grad = grad.reshape(weight.shape[0], -1, grad.shape[-1])  # (E, M / E, out)
+        grad_x = torch.bmm(grad, weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        groups = x.view(weight.shape[0], -1, x.shape[-1])
+        grad_weight = torch.bmm(grad.transpose(1, 2), groups) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
 
 
 BATCH_PADDING = 1.25
@@ -200,8 +194,8 @@ GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", Non
 def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """`GROUPED_MM(a, b, offs=offs)` as an opaque op, for torch.compile in dtypes other than bf16: torch 2.13's fake
     kernel for `grouped_mm` repeats the CUDA kernel's bf16-only check, while the eager op (on a CPU, and CUDA's
-    fallback) computes fp32 and fp16 too. (M, K) x (E, K, N) -> (M, N); (K, M) x (M, N) -> (E, K, N). Called
-    inside `_GroupedLinear`, which makes the gradients."""
+    fallback) computes fp32 and fp16 too. (M, K) x (E, K, N) -> (M, N); the weight gradient (K, M) x (M, N) ->
+    (E, K, N)."""
     assert GROUPED_MM is not None
     return GROUPED_MM(a, b, offs=offs)
 
@@ -211,6 +205,18 @@ def _(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     if b.dim() == 3:
         return a.new_empty(a.shape[0], b.shape[-1])
     return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
+
+
+def _save_operands(ctx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:  # type: ignore[no-untyped-def]
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[no-untyped-def]
+    a, b, offs = ctx.saved_tensors
+    return grouped_mm(grad, b.transpose(1, 2), offs), grouped_mm(a.t(), grad, offs), None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_save_operands)
 
 
 class MoE(nn.Module):
