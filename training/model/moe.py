@@ -70,8 +70,9 @@ class Experts(nn.Module):
         self, x: Tensor, weights: Tensor, expert_ids: Tensor, row_multiple: int | None = None
     ) -> Tensor:
         """x (N, H), weights and expert_ids (N, K) -> (N, H). Dropless: the N·K assignments sorted by expert, two
-        grouped GEMMs over all experts at once, then each token's K outputs mixed by its router weights. Each
-        expert's rows are padded with zero rows to a multiple of `row_multiple` (`gemm_row_multiple` unless given)."""
+        grouped (or batched) GEMMs over all experts at once, then each token's K outputs mixed by its router weights.
+        Each expert's rows are padded with zero rows to a multiple of `row_multiple` (`gemm_row_multiple` unless
+        given), and to the largest expert's where that pays (`pays_to_batch`)."""
         n_experts = self.gate_up_proj.shape[0]
         n_tokens, top_k = expert_ids.shape
         flat_ids = expert_ids.reshape(-1)  # (N*K,)
@@ -80,9 +81,8 @@ class Experts(nn.Module):
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # no host sync
         multiple = row_multiple or gemm_row_multiple(x)
         batched = multiple > 1 and pays_to_batch(counts, multiple)
-        rows, ends = padded_rows(
-            counts, flat_ids[order], multiple, batched
-        )  # each sorted assignment's GEMM row
+        # each sorted assignment's GEMM row
+        rows, ends = padded_rows(counts, flat_ids[order], multiple, batched)
         if multiple == 1:
             routed = x.index_select(0, order // top_k)  # (N*K, H): each sorted assignment's token
         else:  # padding rows read an appended zero row (a CPU: the host knows the total at no cost)
@@ -125,7 +125,8 @@ def pays_to_batch(counts: Tensor, multiple: int) -> bool:
     that adds at most `BATCH_PADDING` more rows than padding each to `multiple`. A CPU runs `grouped_mm` as a loop
     of small GEMMs: on balanced routing one `bmm` was 2.5-3x faster at the demo's shape, 1.1-1.3x at d_model 384,
     but each padded row costs its share of every GEMM and of the gather, SiLU and scatter around them (a whole
-    layer's forward and backward: 1.2x faster at the demo's shape, no faster at d_model 384 with 11% more rows)."""
+    layer's forward and backward, `benchmarks/moe_layer.py`: 1.2x faster at the demo's shape with 16% more rows,
+    1.02-1.05x at d_model 384 with 7.5% more; 1.7-2.4x slower with 3.9x the rows)."""
     padded = (counts + multiple - 1) // multiple * multiple
     return int(padded.max()) * counts.numel() <= BATCH_PADDING * int(padded.sum())
 
