@@ -179,7 +179,8 @@ def activation_elements_per_token(cfg: ModelConfig, activation_checkpointing: bo
     loss its logits (V; fp32 log-probabilities in fp32, the logits themselves in bf16: `cross_entropy.py`). With
     activation checkpointing only block inputs are kept, plus one block's working set while it is recomputed.
     Checked against autograd's saved tensors in tests/unit/test_accounting.py (fp32, and bf16 with SDPA attention;
-    a CPU's bf16 MoE pads each expert's rows to 32 and its short bf16 attention keeps the T×T scores: not counted).
+    a CPU's bf16 MoE pads each expert's rows, to 32 or to the largest expert's, and its short bf16 attention keeps
+    the T×T scores: not counted).
     """
     C, HD, GD = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     per_layer, fp32_per_layer = [], []
