@@ -92,7 +92,9 @@ class Experts(nn.Module):
         hidden = swiglu(grouped_linear(routed, self.gate_up_proj, ends, batched))  # (rows, I)
         y = grouped_linear(hidden, self.down_proj, ends, batched)  # (rows, H), grouped by expert
         # back in (token, choice) order
-        y = y.index_select(0, rows[order.argsort()]).view(n_tokens, top_k, -1)
+        inverse = torch.empty_like(order)  # the sorted order's inverse, without a second sort
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y = y.index_select(0, rows[inverse]).view(n_tokens, top_k, -1)
         return (y * weights.unsqueeze(-1)).sum(dim=1)
 
 
