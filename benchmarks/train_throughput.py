@@ -11,8 +11,9 @@ All in one run, one JSON line, per model shape (`demo`, the demo's tiny model, a
   `compile_pays_after_steps` steps (absent when it is not faster); on CUDA also `mfu_vs_published_peak` (989
   TFLOP/s for H100/H200).
 - `<shape>.ratio_moe_vs_dense`: a top-2-of-8 MoE (sort + grouped GEMM dispatch) vs the dense model with the same
-  active parameters (d_ff = 2 x expert d_ff), both through our engine, timed after `MOE_WARMUP` steps. Goal >= 0.90. `moe_optimizer_ms` and
-  `same_active_dense_optimizer_ms`: the optimiser's step in each (the MoE has 2x the parameters to update);
+  active parameters (d_ff = 2 x expert d_ff), both through our engine, timed after `MOE_WARMUP` steps. Goal >= 0.90.
+  `moe_optimizer_ms` and `same_active_dense_optimizer_ms`: the optimiser's step in each (the MoE has 2x the
+  parameters to update);
   `ratio_moe_vs_dense_forward_backward`: the ratio without them (routing, dispatch and grouped GEMMs only). With
   `--compile` also both compiled: `ratio_moe_vs_dense_compiled` (and `_forward_backward`), `moe_compiled_tokens_per_s`,
   `moe_compiled_optimizer_ms` and `moe_blocks_compiled` (false where the compile's trial step failed and the

@@ -72,7 +72,7 @@ def test_dispatch_is_dropless_and_matches_a_per_token_loop(generator: torch.Gene
     x = torch.randn(1, 40, 16, generator=generator, requires_grad=True)
     y, stats = moe(x)
     assert int(stats.tokens_per_expert.sum()) == 40 * 2
-    y.square().sum().backward()  # the gradients too, the experts' weights' in their own layout
+    y.square().sum().backward()  # and its gradients
     grads = [t.grad.clone() for t in (x, *moe.parameters())]
     x.grad = None
     moe.zero_grad()
