@@ -13,8 +13,8 @@ All in one run, one JSON line, per model shape (`demo`, the demo's tiny model, a
 - `<shape>.ratio_moe_vs_dense`: a top-2-of-8 MoE (sort + grouped GEMM dispatch) vs the dense model with the same
   active parameters (d_ff = 2 x expert d_ff), both through our engine, timed after `MOE_WARMUP` steps. Goal >= 0.90.
   `moe_optimizer_ms` and `same_active_dense_optimizer_ms`: the optimiser's step in each (the MoE has 2x the
-  parameters to update);
-  `ratio_moe_vs_dense_forward_backward`: the ratio without them (routing, dispatch and grouped GEMMs only). With
+  parameters to update); `ratio_moe_vs_dense_forward_backward`: the ratio without them (routing, dispatch and
+  grouped GEMMs only). With
   `--compile` also both compiled: `ratio_moe_vs_dense_compiled` (and `_forward_backward`), `moe_compiled_tokens_per_s`,
   `moe_compiled_optimizer_ms` and `moe_blocks_compiled` (false where the compile's trial step failed and the
   blocks stayed eager).
