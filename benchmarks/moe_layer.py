@@ -81,7 +81,6 @@ def measure(d_model: int, d_ff: int, steps: int) -> dict:
         with torch.no_grad():
             _, ids, _, _ = layer.gate(inputs.reshape(-1, d_model))
         counts = torch.bincount(ids.reshape(-1), minlength=8)
-        padded = (counts + 31) // 32 * 32
         batches = moe.pays_to_batch(counts, 32)
         runs = {
             "grouped": layer_step(layer, inputs, 0.0),
@@ -91,7 +90,7 @@ def measure(d_model: int, d_ff: int, steps: int) -> dict:
         ms = medians_ms(runs, steps)
         out[routing] = {
             **{f"{k}_ms": v for k, v in ms.items()},
-            "padding": round(int(padded.max()) * 8 / int(padded.sum()), 3),
+            "padding": round(moe.batch_padding(counts, 32), 3),
             "auto_batches": batches,
         }
     moe.BATCH_PADDING = default

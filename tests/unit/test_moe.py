@@ -175,9 +175,8 @@ def test_experts_compile(generator: torch.Generator, dtype: torch.dtype, batched
 
     x = torch.randn(12, 16, generator=generator).to(dtype).requires_grad_()
     weight = torch.randn(3, 8, 16, generator=generator).to(dtype).requires_grad_()  # (E, out, in)
-    ends = torch.tensor(
-        [4, 8, 12] if batched else [4, 4, 12], dtype=torch.int32
-    )  # an expert without rows too
+    # grouped: an expert without rows too; batched: equal groups, as `padded_rows(..., batched=True)` lays them out
+    ends = torch.tensor([4, 8, 12] if batched else [4, 4, 12], dtype=torch.int32)
     results = []
     for forward in (grouped_linear, torch.compile(grouped_linear, fullgraph=True, dynamic=False)):
         y = forward(x, weight, ends, batched)

@@ -129,8 +129,18 @@ def pays_to_batch(counts: Tensor, multiple: int) -> bool:
     but each padded row costs its share of every GEMM and of the gather, SiLU and scatter around them (a whole
     layer's forward and backward, `benchmarks/moe_layer.py`: 1.2x faster at the demo's shape with 16% more rows,
     1.02-1.05x at d_model 384 with 7.5% more; 1.7-2.4x slower with 3.9x the rows)."""
-    padded = (counts + multiple - 1) // multiple * multiple
-    return int(padded.max()) * counts.numel() <= BATCH_PADDING * int(padded.sum())
+    return batch_padding(counts, multiple) <= BATCH_PADDING
+
+
+def batch_padding(counts: Tensor, multiple: int) -> float:
+    """Rows of the batched layout (every expert at the largest one's padded rows) over those of the grouped one."""
+    padded = padded_counts(counts, multiple)
+    return int(padded.max()) * counts.numel() / int(padded.sum())
+
+
+def padded_counts(counts: Tensor, multiple: int) -> Tensor:
+    """Each expert's rows rounded up to a multiple of `multiple`."""
+    return (counts + multiple - 1) // multiple * multiple
 
 
 def padded_rows(
@@ -139,7 +149,7 @@ def padded_rows(
     """Where each assignment (sorted by expert) sits when every expert's rows start at a multiple of `multiple`
     (`batched`: at a multiple of the largest expert's padded rows, so the groups are equal), and the experts' padded
     group ends (int32, as `grouped_mm` takes them)."""
-    padded = (counts + multiple - 1) // multiple * multiple
+    padded = padded_counts(counts, multiple)
     if batched:
         padded = padded.max().expand_as(padded)
     ends = padded.cumsum(0)
