@@ -270,6 +270,25 @@ def rung_curve(rung: Recipe, law: CurveLaw, point_law: Law, warmup: int) -> Curv
     )
 
 
+def rung_recipe(recipe: Recipe, depth: int, width: int, budget: float) -> Recipe:
+    """The recipe of a rung `depth` layers, `width` wide at `budget` FLOPs: the sweep's batch, learning-rate and
+    warmup rules for D = C / (6·N) tokens, evaluated at `sweep.curve_points` steps (the curve the law predicts)."""
+    model = sized_model(recipe.model, depth, width)
+    shape = run_shape(
+        recipe.pretrain_spec(), recipe.sweep, count_n(model, recipe.sweep.param_count), [budget]
+    )
+    steps = shape.steps[0]
+    return recipe.override(
+        {
+            "model": model.model_dump(mode="json"),
+            **shape.overrides(recipe.optim.lr),
+            "train.max_steps": steps,
+            "train.eval_every": -(-steps // recipe.sweep.curve_points),
+            "train.checkpoint_every": max(1, steps // 3),
+        }
+    )
+
+
 def rung_size(recipe: Recipe) -> tuple[float, float]:
     """(N, D) of a recipe's pretraining run under the sweep's parameter-count convention."""
     tokens = (
@@ -346,23 +365,13 @@ def size_for_budget(
                 model = sized_model(recipe.model, depth, width)
                 n = count_n(model, recipe.sweep.param_count)
                 candidates.append((abs(np.log(n / n_opt)), abs(width / depth - 24), depth, width, model, n))
-    _, _, depth, width, model, n = min(candidates, key=lambda c: c[:2])
-    shape = run_shape(recipe.pretrain_spec(), recipe.sweep, n, [budget])
-    steps = shape.steps[0]
-    every = max(1, steps // 3)
-    sized = recipe.override(
-        {
-            "model": model.model_dump(mode="json"),
-            **shape.overrides(recipe.optim.lr),
-            "train.max_steps": steps,
-            "train.eval_every": -(-steps // recipe.sweep.curve_points),  # the curve the law predicted
-            "train.checkpoint_every": every,
-        }
-    )
-    tokens = steps * shape.tokens_per_step
+    _, _, depth, width, _, n = min(candidates, key=lambda c: c[:2])
+    sized = rung_recipe(recipe, depth, width, budget)
+    steps, batch = sized.train.max_steps, sized.train.global_batch(sized.parallel.world_size)
+    tokens = steps * batch * sized.train.seq_len
     note = (
         f"C={budget:.3g} FLOPs: fitted N*={n_opt:.3g}; nearest size depth {depth} width {width} (N={n:,}), "
-        f"D={tokens:,} tokens ({steps} steps of {shape.batch} sequences, {tokens / n:.1f} tokens/param)"
+        f"D={tokens:,} tokens ({steps} steps of {batch} sequences, {tokens / n:.1f} tokens/param)"
     )
     if swept and not swept[0] <= n_opt <= swept[1]:
         note += f"; N* lies outside the swept sizes ({swept[0]:,.0f}–{swept[1]:,.0f}): an extrapolation, widen the sweep"

@@ -1,0 +1,123 @@
+"""How much of the rung's error is the shape it got: a finished pipeline's rung (`make demo`'s by default) trained
+again at other shapes near N* and other warmups, each under the given seeds, each scored against what its fit
+predicts before it trains: the point law (Chinchilla's form, and Kaplan's as the fit's second form) at its end and
+the anchored curve at each evaluation. About a minute a run on the demo here; nothing is tracked.
+
+    .venv/bin/python benchmarks/rung_shapes.py [outputs] [--recipe demo] [--shapes d1w64,d2w48,d3w48]
+        [--warmups rung,60] [--seeds 0,1]
+
+`--warmups`: `rung` is the sizing's (a tenth of the rung's steps), a number is steps (the sweep's runs warm up for
+`sweep.min_warmup_steps`). One JSON line: per (shape, warmup) the seeds' end losses, both forms' predicted/measured
+− 1 on the seeds' mean and the anchored curve's largest |predicted/measured − 1| on it, and the forms' mean |error|
+over the shapes at the rung's own warmup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from data_pipeline.shards import DatasetManifest  # noqa: E402
+from evaluation.chinchilla_fit import Law  # noqa: E402
+from evaluation.kaplan_fit import KaplanLaw  # noqa: E402
+from evaluation.loss_curve import CurveLaw  # noqa: E402
+from flows.recipe import load_recipe  # noqa: E402
+from flows.scaling import rung_curve, rung_recipe, rung_size, sweep_points, sweep_warmup  # noqa: E402
+from training.stages.lifecycle import read_metrics  # noqa: E402
+from training.stages.pretrain import run_pretrain  # noqa: E402
+
+
+def newest(pattern: str, out: Path) -> Path:
+    found = sorted(out.glob(pattern), key=lambda p: p.stat().st_mtime)
+    if not found:
+        sys.exit(f"nothing matches {out}/{pattern}: run `make demo` (or the recipe's pipeline) first")
+    return found[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outputs", nargs="?", default="outputs")
+    parser.add_argument("--recipe", default="demo")
+    parser.add_argument("--shapes", default="d1w64,d2w48,d3w48", help="dDEPTHwWIDTH, comma-separated")
+    parser.add_argument("--warmups", default="rung,60")
+    parser.add_argument("--seeds", default="0,1")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.outputs)
+    fit = json.loads(newest(f"rung/{args.recipe}-*/fit.json", out).read_text())
+    if not fit.get("curve_law") or not fit["rung"].get("second_form"):
+        sys.exit("this fit has no curve law or second form: rerun its pipeline with this version of lmforge")
+    data = DatasetManifest.from_file(newest("tokenize/*/manifest.json", out))
+    point = Law(**{k: fit["law"][k] for k in ("E", "A", "B", "alpha", "beta")})
+    kaplan = KaplanLaw(**fit["rung"]["second_form"]["law"])
+    curve_law = CurveLaw(**fit["curve_law"]["law"])
+    reference_warmup = sweep_warmup(sweep_points(fit["source"]))
+    budget = float(fit["optimal"]["budget"])
+    seeds = [int(s) for s in args.seeds.split(",")]
+    scratch = Path(tempfile.mkdtemp(prefix="rung_shapes-"))
+    recipe = load_recipe(args.recipe, [f"output_dir={scratch}", "tracking.enabled=false", "sweep.probe=null"])
+    results, own = [], {"chinchilla": [], "kaplan": []}
+    for name in args.shapes.split(","):
+        depth, width = (int(x) for x in re.fullmatch(r"d(\d+)w(\d+)", name).groups())
+        sized = rung_recipe(recipe, depth, width, budget)
+        n, d = rung_size(sized)
+        for warmup in args.warmups.split(","):
+            rung = sized if warmup == "rung" else sized.override({"optim.warmup_steps": int(warmup)})
+            predicted = rung_curve(rung, curve_law, point, reference_warmup)
+            curves = []
+            for seed in seeds:
+                run = rung.override({"train.seed": seed, "name": f"{name}-w{warmup}-s{seed}"})
+                model = run_pretrain(run.pretrain_spec(), data)
+                measured = {
+                    int(m["step"]): m["val/loss"] for m in read_metrics(model.run_dir) if "val/loss" in m
+                }
+                curves.append([measured[s] for s in predicted.steps])
+            mean = np.mean(curves, axis=0)
+            errors = {
+                "chinchilla": float(point.loss(n, d)) / mean[-1] - 1,
+                "kaplan": float(kaplan.loss(n, d)) / mean[-1] - 1,
+            }
+            if warmup == "rung":
+                for form, error in errors.items():
+                    own[form].append(abs(error))
+            results.append(
+                {
+                    "shape": name,
+                    "n": n,
+                    "warmup": rung.optim.warmup_steps,
+                    "end_losses": [round(c[-1], 4) for c in curves],
+                    **{f"{form}_rel_error": round(e, 4) for form, e in errors.items()},
+                    "curve_max_rel_error": round(float(np.abs(np.array(predicted.loss) / mean - 1).max()), 4),
+                }
+            )
+    record = {
+        "benchmark": "rung_shapes",
+        "fit": fit["path"],
+        "budget": budget,
+        "n_opt": fit["optimal"]["n_opt"],
+        "seeds": seeds,
+        "runs": results,
+        **{
+            f"{form}_mean_abs_error_at_rung_warmup": round(float(np.mean(e)), 4)
+            for form, e in own.items()
+            if e
+        },
+    }
+    shutil.rmtree(scratch)
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
