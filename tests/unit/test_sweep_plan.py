@@ -65,34 +65,51 @@ def test_rung_is_sized_by_the_sweeps_rules():
     rung, note = size_for_budget(recipe, 1.0e5, 1.2e12, (1.2e4, 2.5e5))
     n, d = rung_size(rung)
     assert n == pytest.approx(1.0e5, rel=0.25) and 6 * n * d == pytest.approx(1.2e12, rel=0.05)
-    assert rung.optim.warmup_steps == round(0.1 * rung.train.max_steps)
+    # trained as the sweep's run of its size that ends at the rung's budget: batch, rate, warmup, steps
+    scale = 1.2e12 / max(recipe.sweep.budgets)
+    size = {"depth": rung.model.n_layers, "width": rung.model.d_model}
+    (plan,), _ = plan_trials(
+        recipe.override(
+            {
+                "sweep.budgets": [b * scale for b in recipe.sweep.budgets],
+                "sweep.sizes": [size],
+                "sweep.seeds": [0],
+            }
+        ).sweep_spec()
+    )
+    assert rung.optim.warmup_steps == plan.shape.warmup < round(0.1 * rung.train.max_steps)
+    assert rung.train.max_steps == plan.steps[-1] and rung.train.global_batch_size == plan.shape.batch
+    assert rung.optim.lr == pytest.approx(plan.lr * plan.shape.lr_scale)
     assert "extrapolation" not in note
     _, outside = size_for_budget(recipe, 1.0e6, 1.2e12, (1.2e4, 2.5e5))
     assert "outside the swept sizes" in outside
 
 
 def test_a_rung_shaped_unlike_the_sweeps_sizes_says_so():
-    """The demo's sweep spans width/depth 16-32; its rung at N* 9.05e4 is one layer 64 wide (the nearest size),
-    at 8e4 two layers 48 wide (24: like the sweep's)."""
+    """The demo's sweep spans width/depth 16-32; its rung at N* 9.05e4 is two layers 48 wide (24: like the
+    sweep's), not the nearer one layer 64 wide (aspect 64: no depth is exempt from 16-48); at 5.45e4 one layer 48
+    wide, which the note flags."""
     recipe = demo()
     rung, note = size_for_budget(recipe, 9.05e4, 2.4e12)
-    assert (rung.model.n_layers, rung.model.d_model) == (1, 64)
-    assert "width/depth 64 lies outside the swept shapes' (16–32)" in note
-    rung, note = size_for_budget(recipe, 8.0e4, 2.4e12)
     assert (rung.model.n_layers, rung.model.d_model) == (2, 48) and "swept shapes" not in note
+    rung, note = size_for_budget(recipe, 5.45e4, 2.4e12)
+    assert (rung.model.n_layers, rung.model.d_model) == (1, 48)
+    assert "width/depth 48 lies outside the swept shapes' (16–32)" in note
 
 
 def test_the_rungs_curve_is_the_point_law_at_each_evaluation_plus_what_its_schedule_adds():
     """Each evaluation: the point law's loss at its tokens (a run like the sweep's, decayed there) plus the curve
     law's difference between the rung's schedule and that run's. With the sweep's warmup the rung's own, the end
-    is the point law's prediction; with a shorter one, the rung's longer warmup costs a little on top."""
+    is the point law's prediction; with a shorter one (a rung warmed up for a tenth of its steps, as until
+    2026-12-05), the rung's longer warmup costs a little on top."""
     rung, _ = size_for_budget(demo(), 8.0e4, 2.4e12)
+    rung = rung.override({"optim.warmup_steps": rung.train.max_steps // 10})
     law = CurveLaw(E=1.9, A=1900.0, B=0.88, alpha=0.79, beta=0.48, D=0.22, C=0.11)
     point = Law(E=1.6, A=700.0, B=2900.0, alpha=0.7, beta=0.53)
     n, d = rung_size(rung)
     steps, per_step = rung.train.max_steps, rung.train.global_batch_size * rung.train.seq_len
     optim, warmup = rung.optim, rung.optim.warmup_steps
-    assert warmup > 100  # a tenth of the rung: longer than the sweep's
+    assert warmup > 100
     same = rung_curve(rung, law, point, warmup)
     assert same.steps[-1] == steps and len(same.steps) == rung.sweep.curve_points
     tokens = np.array(same.tokens)
@@ -113,7 +130,8 @@ def test_the_rungs_curve_is_the_point_law_at_each_evaluation_plus_what_its_sched
 
 def test_warmup_has_a_floor_in_steps_up_to_half_the_shortest_horizon():
     """A tenth of a short horizon is too few steps for the larger models; the floor lifts it, never past half of
-    the shortest horizon, and leaves longer warmups (and the rung's) alone."""
+    the shortest horizon, and leaves longer warmups alone; the rung's is the sweep's run's that ends at its
+    budget (its shortest horizon at the sweep's budget span, 4x on the demo)."""
     floors = {k: demo(f"sweep.min_warmup_steps={k}") for k in (0, 60, 90)}
     plans = {k: plan_trials(r.sweep_spec())[0] for k, r in floors.items()}
     for bare, sixty, ninety in zip(plans[0], plans[60], plans[90], strict=True):
@@ -123,8 +141,10 @@ def test_warmup_has_a_floor_in_steps_up_to_half_the_shortest_horizon():
         assert ninety.shape.warmup == max(bare.shape.warmup, min(90, shortest // 2))
     assert min(p.steps[0] for p in plans[0]) // 2 < 90  # the cap is exercised
     assert any(p.shape.warmup < 60 for p in plans[0])  # and the floor
-    rung, _ = size_for_budget(floors[60], 8.0e4, 2.4e12)
-    assert rung.optim.warmup_steps == round(0.1 * rung.train.max_steps) > 60
+    rungs = {k: size_for_budget(r, 8.0e4, 2.4e12)[0] for k, r in floors.items()}
+    tenth = round(0.1 * rungs[0].train.max_steps / 4)  # a tenth of a quarter of the rung
+    assert rungs[0].optim.warmup_steps == rungs[60].optim.warmup_steps == tenth > 60
+    assert rungs[90].optim.warmup_steps == 90
     assert load_recipe("ladder").sweep.min_warmup_steps == 60
 
 
