@@ -4,12 +4,13 @@ predicts before it trains: the point law (Chinchilla's form, and Kaplan's as the
 the anchored curve at each evaluation. About a minute a run on the demo here; nothing is tracked.
 
     .venv/bin/python benchmarks/rung_shapes.py [outputs] [--recipe demo] [--shapes d1w64,d2w48,d3w48]
-        [--warmups rung,60] [--seeds 0,1]
+        [--warmups rung,tenth,60] [--seeds 0,1]
 
-`--warmups`: `rung` is the sizing's (a tenth of the rung's steps), a number is steps (the sweep's runs warm up for
-`sweep.min_warmup_steps`). One JSON line: per (shape, warmup) the seeds' end losses, both forms' predicted/measured
-− 1 on the seeds' mean and the anchored curve's largest |predicted/measured − 1| on it, and the forms' mean |error|
-over the shapes at the rung's own warmup.
+`--shapes`: by default the three nearest N* with width/depth 16-64 (the sizing keeps to 16-48). `--warmups`:
+`rung` is the sizing's (the sweep's run's), `tenth` a tenth of the rung's steps (the rule until 2026-12-05), a
+number is steps. One JSON line: per (shape, warmup) the seeds' end losses, both forms' predicted/measured − 1 on
+the seeds' mean and the anchored curve's largest |predicted/measured − 1| on it, and the forms' mean |error| over
+the shapes at the rung's own warmup.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from evaluation.chinchilla_fit import Law  # noqa: E402
 from evaluation.kaplan_fit import KaplanLaw  # noqa: E402
 from evaluation.loss_curve import CurveLaw  # noqa: E402
 from flows.recipe import load_recipe  # noqa: E402
-from flows.scaling import rung_curve, rung_recipe, rung_size, sweep_points, sweep_warmup  # noqa: E402
+from flows.scaling import (  # noqa: E402
+    nearest_shapes,
+    rung_curve,
+    rung_recipe,
+    rung_size,
+    sweep_points,
+    sweep_warmup,
+)
 from training.stages.lifecycle import read_metrics  # noqa: E402
 from training.stages.pretrain import run_pretrain  # noqa: E402
 
@@ -50,10 +58,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("outputs", nargs="?", default="outputs")
     parser.add_argument("--recipe", default="demo")
-    parser.add_argument("--shapes", default="d1w64,d2w48,d3w48", help="dDEPTHwWIDTH, comma-separated")
-    parser.add_argument("--warmups", default="rung,60")
-    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--shapes", help="dDEPTHwWIDTH, comma-separated")
+    parser.add_argument("--warmups", default="rung")
+    parser.add_argument("--seeds", default="0")
     args = parser.parse_args()
+    named = [re.fullmatch(r"d(\d+)w(\d+)", s) for s in args.shapes.split(",")] if args.shapes else []
+    if not all(named):
+        parser.error(f"--shapes {args.shapes}: give dDEPTHwWIDTH, comma-separated (e.g. d2w48,d3w48)")
+    warmups = args.warmups.split(",")
+    if not all(w in ("rung", "tenth") or w.isdigit() for w in warmups):
+        parser.error(f"--warmups {args.warmups}: give rung, tenth or a number of steps, comma-separated")
+    if not all(s.isdigit() for s in args.seeds.split(",")):
+        parser.error(f"--seeds {args.seeds}: give whole numbers, comma-separated")
     torch.set_num_threads(1)
     out = Path(args.outputs)
     fit = json.loads(newest(f"rung/{args.recipe}-*/fit.json", out).read_text())
@@ -68,13 +84,17 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     scratch = Path(tempfile.mkdtemp(prefix="rung_shapes-"))
     recipe = load_recipe(args.recipe, [f"output_dir={scratch}", "tracking.enabled=false", "sweep.probe=null"])
+    shapes = [(int(m[1]), int(m[2])) for m in named] or [
+        (depth, width) for depth, width, _ in nearest_shapes(recipe, fit["optimal"]["n_opt"], 64)[:3]
+    ]
     results, own = [], {"chinchilla": [], "kaplan": []}
-    for name in args.shapes.split(","):
-        depth, width = (int(x) for x in re.fullmatch(r"d(\d+)w(\d+)", name).groups())
+    for depth, width in shapes:
+        name = f"d{depth}w{width}"
         sized = rung_recipe(recipe, depth, width, budget)
         n, d = rung_size(sized)
-        for warmup in args.warmups.split(","):
-            rung = sized if warmup == "rung" else sized.override({"optim.warmup_steps": int(warmup)})
+        for warmup in warmups:
+            steps = {"rung": sized.optim.warmup_steps, "tenth": round(0.1 * sized.train.max_steps)}
+            rung = sized.override({"optim.warmup_steps": steps.get(warmup) or int(warmup)})
             predicted = rung_curve(rung, curve_law, point, reference_warmup)
             curves = []
             for seed in seeds:

@@ -356,6 +356,19 @@ def contamination_report(data: DatasetManifest) -> dict[str, Any]:
     return contamination(training_documents(data))
 
 
+def nearest_shapes(recipe: Recipe, n_opt: float, max_aspect: float = 48) -> list[tuple[int, int, int]]:
+    """(depth, width, N) of every shape of depth 1-8, widths in whole kv groups of heads, width/depth 16 to
+    `max_aspect`, nearest N* first (in log space; ties to width/depth nearest 24)."""
+    step = recipe.model.head_dim * (recipe.model.n_heads // recipe.model.n_kv_heads)  # whole kv groups
+    candidates = []
+    for depth in range(1, 9):
+        for width in range(step, int(max_aspect) * depth + 1, step):
+            if 16 <= width / depth <= max_aspect:
+                n = count_n(sized_model(recipe.model, depth, width), recipe.sweep.param_count)
+                candidates.append((abs(np.log(n / n_opt)), abs(width / depth - 24), depth, width, n))
+    return [(depth, width, n) for *_, depth, width, n in sorted(candidates)]
+
+
 def size_for_budget(
     recipe: Recipe, n_opt: float, budget: float, swept: tuple[float, float] | None = None
 ) -> tuple[Recipe, str]:
@@ -364,15 +377,7 @@ def size_for_budget(
     tokens (`rung_recipe`); returns it and a one-line explanation (which flags an N* outside the `swept` sizes).
     One layer gets no wider aspect than the others: the demo's rung at 64 wide (aspect 64) ended 0.6% above two
     layers 48 wide at the same compute, its early losses 3-4.5% above the point law's (README, "the shape it got")."""
-    step = recipe.model.head_dim * (recipe.model.n_heads // recipe.model.n_kv_heads)  # whole kv groups
-    candidates = []
-    for depth in range(1, 9):
-        for width in range(step, 64 * depth + 1, step):
-            if 16 <= width / depth <= 48:
-                model = sized_model(recipe.model, depth, width)
-                n = count_n(model, recipe.sweep.param_count)
-                candidates.append((abs(np.log(n / n_opt)), abs(width / depth - 24), depth, width, model, n))
-    _, _, depth, width, _, n = min(candidates, key=lambda c: c[:2])
+    depth, width, n = nearest_shapes(recipe, n_opt)[0]
     sized = rung_recipe(recipe, depth, width, budget)
     steps, batch = sized.train.max_steps, sized.train.global_batch(sized.parallel.world_size)
     tokens = steps * batch * sized.train.seq_len
