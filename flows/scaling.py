@@ -288,7 +288,7 @@ def rung_recipe(recipe: Recipe, depth: int, width: int, budget: float) -> Recipe
             "model": model.model_dump(mode="json"),
             **shape.overrides(recipe.optim.lr),
             "train.max_steps": steps,
-            "train.eval_every": -(-steps // recipe.sweep.curve_points),
+            "train.eval_every": -(-steps // sweep.curve_points),
             "train.checkpoint_every": max(1, steps // 3),
         }
     )
