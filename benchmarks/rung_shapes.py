@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +33,7 @@ from data_pipeline.shards import DatasetManifest  # noqa: E402
 from evaluation.chinchilla_fit import Law  # noqa: E402
 from evaluation.kaplan_fit import KaplanLaw  # noqa: E402
 from evaluation.loss_curve import CurveLaw  # noqa: E402
-from flows.recipe import load_recipe  # noqa: E402
+from flows.recipe import Recipe, load_recipe  # noqa: E402
 from flows.scaling import (  # noqa: E402
     nearest_shapes,
     rung_curve,
@@ -54,37 +53,21 @@ def newest(pattern: str, out: Path) -> Path:
     return found[-1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("outputs", nargs="?", default="outputs")
-    parser.add_argument("--recipe", default="demo")
-    parser.add_argument("--shapes", help="dDEPTHwWIDTH, comma-separated")
-    parser.add_argument("--warmups", default="rung")
-    parser.add_argument("--seeds", default="0")
-    args = parser.parse_args()
-    named = [re.fullmatch(r"d(\d+)w(\d+)", s) for s in args.shapes.split(",")] if args.shapes else []
-    if not all(named):
-        parser.error(f"--shapes {args.shapes}: give dDEPTHwWIDTH, comma-separated (e.g. d2w48,d3w48)")
-    warmups = args.warmups.split(",")
-    if not all(w in ("rung", "tenth") or w.isdigit() for w in warmups):
-        parser.error(f"--warmups {args.warmups}: give rung, tenth or a number of steps, comma-separated")
-    if not all(s.isdigit() for s in args.seeds.split(",")):
-        parser.error(f"--seeds {args.seeds}: give whole numbers, comma-separated")
-    torch.set_num_threads(1)
-    out = Path(args.outputs)
-    fit = json.loads(newest(f"rung/{args.recipe}-*/fit.json", out).read_text())
-    if not fit.get("curve_law") or not fit["rung"].get("second_form"):
-        sys.exit("this fit has no curve law or second form: rerun its pipeline with this version of lmforge")
-    data = DatasetManifest.from_file(newest("tokenize/*/manifest.json", out))
+def runs(
+    recipe: Recipe,
+    fit: dict,
+    data: DatasetManifest,
+    warmups: list[str],
+    seeds: list[int],
+    shapes: list[tuple[int, int]],
+) -> tuple[list[dict], dict[str, list[float]]]:
+    """Each (shape, warmup)'s record, and each form's |error| at the rung's own warmup, shape by shape."""
     point = Law(**{k: fit["law"][k] for k in ("E", "A", "B", "alpha", "beta")})
     kaplan = KaplanLaw(**fit["rung"]["second_form"]["law"])
     curve_law = CurveLaw(**fit["curve_law"]["law"])
     reference_warmup = sweep_warmup(sweep_points(fit["source"]))
     budget = float(fit["optimal"]["budget"])
-    seeds = [int(s) for s in args.seeds.split(",")]
-    scratch = Path(tempfile.mkdtemp(prefix="rung_shapes-"))
-    recipe = load_recipe(args.recipe, [f"output_dir={scratch}", "tracking.enabled=false", "sweep.probe=null"])
-    shapes = [(int(m[1]), int(m[2])) for m in named] or [
+    shapes = shapes or [
         (depth, width) for depth, width, _ in nearest_shapes(recipe, fit["optimal"]["n_opt"], 64)[:3]
     ]
     results, own = [], {"chinchilla": [], "kaplan": []}
@@ -93,8 +76,9 @@ def main() -> None:
         sized = rung_recipe(recipe, depth, width, budget)
         n, d = rung_size(sized)
         for warmup in warmups:
-            steps = {"rung": sized.optim.warmup_steps, "tenth": round(0.1 * sized.train.max_steps)}
-            rung = sized.override({"optim.warmup_steps": steps.get(warmup) or int(warmup)})
+            named_warmups = {"rung": sized.optim.warmup_steps, "tenth": round(0.1 * sized.train.max_steps)}
+            steps = named_warmups[warmup] if warmup in named_warmups else int(warmup)
+            rung = sized.override({"optim.warmup_steps": steps})
             predicted = rung_curve(rung, curve_law, point, reference_warmup)
             curves = []
             for seed in seeds:
@@ -122,10 +106,41 @@ def main() -> None:
                     "curve_max_rel_error": round(float(np.abs(np.array(predicted.loss) / mean - 1).max()), 4),
                 }
             )
+    return results, own
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outputs", nargs="?", default="outputs")
+    parser.add_argument("--recipe", default="demo")
+    parser.add_argument("--shapes", help="dDEPTHwWIDTH, comma-separated")
+    parser.add_argument("--warmups", default="rung")
+    parser.add_argument("--seeds", default="0")
+    args = parser.parse_args()
+    named = [re.fullmatch(r"d(\d+)w(\d+)", s) for s in args.shapes.split(",")] if args.shapes else []
+    if not all(named):
+        parser.error(f"--shapes {args.shapes}: give dDEPTHwWIDTH, comma-separated (e.g. d2w48,d3w48)")
+    warmups = args.warmups.split(",")
+    if not all(w in ("rung", "tenth") or w.isdigit() for w in warmups):
+        parser.error(f"--warmups {args.warmups}: give rung, tenth or a number of steps, comma-separated")
+    if not all(s.isdigit() for s in args.seeds.split(",")):
+        parser.error(f"--seeds {args.seeds}: give whole numbers, comma-separated")
+    torch.set_num_threads(1)
+    out = Path(args.outputs)
+    fit = json.loads(newest(f"rung/{args.recipe}-*/fit.json", out).read_text())
+    if not fit.get("curve_law") or not fit["rung"].get("second_form"):
+        sys.exit("this fit has no curve law or second form: rerun its pipeline with this version of lmforge")
+    data = DatasetManifest.from_file(newest("tokenize/*/manifest.json", out))
+    seeds = [int(s) for s in args.seeds.split(",")]
+    with tempfile.TemporaryDirectory(prefix="rung_shapes-") as scratch:  # the runs' outputs, removed after
+        recipe = load_recipe(
+            args.recipe, [f"output_dir={scratch}", "tracking.enabled=false", "sweep.probe=null"]
+        )
+        results, own = runs(recipe, fit, data, warmups, seeds, [(int(m[1]), int(m[2])) for m in named])
     record = {
         "benchmark": "rung_shapes",
         "fit": fit["path"],
-        "budget": budget,
+        "budget": fit["optimal"]["budget"],
         "n_opt": fit["optimal"]["n_opt"],
         "seeds": seeds,
         "runs": results,
@@ -135,7 +150,6 @@ def main() -> None:
             if e
         },
     }
-    shutil.rmtree(scratch)
     print(json.dumps(record))
 
 
