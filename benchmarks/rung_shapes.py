@@ -10,7 +10,10 @@ the anchored curve at each evaluation. About a minute a run on the demo here; no
 `rung` is the sizing's (the sweep's run's), `tenth` a tenth of the rung's steps (the rule until 2026-12-05), a
 number is steps. One JSON line: per (shape, warmup) the seeds' end losses, both forms' predicted/measured − 1 on
 the seeds' mean and the anchored curve's largest |predicted/measured − 1| on it, and the forms' mean |error| over
-the shapes at the rung's own warmup.
+the shapes at the rung's own warmup. With three sizes or more, also the compute-optimal N they measure (Approach
+2's parabola in log N through their end losses at the rung's warmup) beside the fit's N*, its 95% interval and
+Kaplan's N*: give shapes spanning 4x or more around N* (`--shapes d2w32,d2w48,d3w48,d2w64,d3w64,d4w64`), as
+three neighbours put the parabola's vertex anywhere.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ import torch  # noqa: E402
 
 from data_pipeline.shards import DatasetManifest  # noqa: E402
 from evaluation.chinchilla_fit import Law  # noqa: E402
+from evaluation.isoflop import fit_parabolas  # noqa: E402
 from evaluation.kaplan_fit import KaplanLaw  # noqa: E402
 from evaluation.loss_curve import CurveLaw  # noqa: E402
+from evaluation.scaling_data import ScalingDataError, ScalingPoints  # noqa: E402
 from flows.recipe import Recipe, load_recipe  # noqa: E402
 from flows.scaling import (  # noqa: E402
     nearest_shapes,
@@ -101,6 +106,7 @@ def runs(
                     "shape": name,
                     "n": n,
                     "warmup": rung.optim.warmup_steps,
+                    "warmup_name": warmup,
                     "end_losses": [round(c[-1], 4) for c in curves],
                     **{f"{form}_rel_error": round(e, 4) for form, e in errors.items()},
                     "curve_max_rel_error": round(float(np.abs(np.array(predicted.loss) / mean - 1).max()), 4),
@@ -150,7 +156,35 @@ def main() -> None:
             if e
         },
     }
+    record |= measured_optimum(fit, [r for r in results if r["warmup_name"] == "rung"])
+    for r in results:
+        del r["warmup_name"]
     print(json.dumps(record))
+
+
+def measured_optimum(fit: dict, runs: list[dict]) -> dict:
+    """The compute-optimal N the shapes trained at the rung's budget (and warmup) show, Approach 2's parabola in
+    log N through their seeds' mean end losses, beside the fit's N* and 95% interval and Kaplan's N*: where
+    the sizing's answer is checked, not only the loss it predicts. Three sizes at least, bracketing the minimum."""
+    optimal = fit["optimal"]
+    budget = float(optimal["budget"])
+    n = np.array([r["n"] for r in runs], dtype=float)
+    points = ScalingPoints(
+        n, budget / (6 * n), np.array([np.mean(r["end_losses"]) for r in runs]), np.full_like(n, budget), n
+    )
+    try:
+        found = fit_parabolas(points)
+    except ScalingDataError as e:
+        return {"measured_n_opt": None, "measured_n_opt_why_not": str(e)}
+    measured = found.parabolas[0].n_opt
+    low, high = optimal["n_opt_interval"]
+    return {
+        "measured_n_opt": round(measured),
+        "fit_n_opt_interval": [round(low), round(high)],
+        "fit_n_opt_over_measured": round(optimal["n_opt"] / measured, 3),
+        "kaplan_n_opt_over_measured": round(fit["rung"]["second_form"]["n_opt"] / measured, 3),
+        "fit_interval_holds_measured": bool(low <= measured <= high),
+    }
 
 
 if __name__ == "__main__":

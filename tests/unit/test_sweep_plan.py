@@ -25,13 +25,14 @@ def test_demo_sweep_brackets_a_decade_with_one_run_per_size_and_seed():
     recipe = demo()
     plans, skipped = plan_trials(recipe.sweep_spec())
     assert recipe.sweep.seeds == [0, 1]
-    assert not skipped and len(plans) == 2 * len(recipe.sweep.sizes) == 14
+    assert len(plans) == 2 * len(recipe.sweep.sizes) == 14
+    assert len(skipped) == 4  # the four largest sizes' shortest horizons (see the next test)
     assert [p.seed for p in plans] == [0, 1] * 7  # each size's replicas side by side
     assert [p.model for p in plans[::2]] == [p.model for p in plans[1::2]]
     sizes = [p.n_active for p in plans[::2]]
     assert sizes == sorted(sizes) and sizes[-1] / sizes[0] >= 10
     for plan in plans:
-        assert plan.budgets == sorted(recipe.sweep.budgets)  # one point per budget
+        assert plan.budgets == sorted(recipe.sweep.budgets)[-len(plan.budgets) :]  # one point per budget kept
         assert plan.steps == sorted(plan.steps) and plan.steps[0] >= recipe.sweep.min_steps == 100
         assert plan.shape.warmup == max(round(0.1 * plan.steps[0]), 60)
         assert plan.batch & (plan.batch - 1) == 0  # a power of two
@@ -41,8 +42,26 @@ def test_demo_sweep_brackets_a_decade_with_one_run_per_size_and_seed():
     assert plans[0].batch > plans[-1].batch
 
 
+def test_a_horizon_mostly_warmup_is_left_out_and_says_why():
+    """Where the warmup floor would be over `max_warmup_share` of a run's shortest horizon, that horizon is not
+    trained (the next one sets the warmup and may stay); every other horizon and run is as without the rule."""
+    share = {k: plan_trials(demo(f"sweep.max_warmup_share={k}").sweep_spec()) for k in (0.25, 0.5)}
+    (kept, skipped), (everything, none) = share[0.25], share[0.5]
+    assert not none and all(len(p.budgets) == 3 for p in everything)
+    assert len(kept) == len(everything)
+    for plan, full in zip(kept, everything, strict=True):
+        left_out = full.steps[0] < 4 * full.shape.warmup
+        assert plan.steps == full.steps[left_out:] and plan.budgets == full.budgets[left_out:]
+        assert plan.shape.warmup == full.shape.warmup <= 0.25 * plan.steps[0]
+        assert plan.shape.batch == full.shape.batch
+    assert len(skipped) == sum(full.steps[0] < 4 * full.shape.warmup for full in everything) // 2 == 4
+    assert all("warmup 60 steps is over sweep.max_warmup_share=0.25" in line for line in skipped)
+    with pytest.raises(ValueError, match="would leave out every horizon"):
+        demo("sweep.warmup_fraction=0.3")
+
+
 def test_multi_horizon_costs_less_than_a_run_per_point():
-    recipe = demo()
+    recipe = demo("sweep.max_warmup_share=0.5")  # every horizon kept, both ways
     multi, _ = plan_trials(recipe.sweep_spec())
     single, _ = plan_trials(recipe.override({"sweep.multi_horizon": False}).sweep_spec())
     assert len(single) == 3 * len(multi)
@@ -132,7 +151,7 @@ def test_warmup_has_a_floor_in_steps_up_to_half_the_shortest_horizon():
     """A tenth of a short horizon is too few steps for the larger models; the floor lifts it, never past half of
     the shortest horizon, and leaves longer warmups alone; the rung's is the sweep's run's that ends at its
     budget (its shortest horizon at the sweep's budget span, 4x on the demo)."""
-    floors = {k: demo(f"sweep.min_warmup_steps={k}") for k in (0, 60, 90)}
+    floors = {k: demo(f"sweep.min_warmup_steps={k}", "sweep.max_warmup_share=0.5") for k in (0, 60, 90)}
     plans = {k: plan_trials(r.sweep_spec())[0] for k, r in floors.items()}
     for bare, sixty, ninety in zip(plans[0], plans[60], plans[90], strict=True):
         shortest = bare.steps[0]

@@ -115,7 +115,8 @@ class SweepResult(Artifact):
 
 def plan_trials(spec: SweepSpec) -> tuple[list[TrialPlan], list[str]]:
     """The runs: per size (× lr), one multi-horizon run over every budget, or one run per budget; budgets whose
-    horizon is shorter than `min_steps` are left out (with the reason)."""
+    horizon is shorter than `min_steps`, or whose run's warmup would be more than `max_warmup_share` of it, are left
+    out (with the reason)."""
     sweep, base = spec.sweep, spec.base
     if sweep.multi_horizon and base.optim.schedule != "wsd":
         raise ValueError(
@@ -129,17 +130,25 @@ def plan_trials(spec: SweepSpec) -> tuple[list[TrialPlan], list[str]]:
         n = count_n(model, sweep.param_count)
         for group in groups:
             shape = run_shape(base, sweep, n, group)
+            where = f"at depth {size.depth} width {model.d_model} (N={n:,})"
             kept = [(c, st) for c, st in zip(group, shape.steps, strict=True) if st >= sweep.min_steps]
             skipped += [
-                f"budget {c:.3g} FLOPs at depth {size.depth} width {model.d_model} (N={n:,}): {st} steps "
-                f"< sweep.min_steps={sweep.min_steps}; raise the budget or drop the size"
+                f"budget {c:.3g} FLOPs {where}: {st} steps < sweep.min_steps={sweep.min_steps}; raise the "
+                "budget or drop the size"
                 for c, st in zip(group, shape.steps, strict=True)
                 if st < sweep.min_steps
             ]
+            while kept and (shape := run_shape(base, sweep, n, [c for c, _ in kept])).warmup > (
+                sweep.max_warmup_share * kept[0][1]
+            ):  # the shortest horizon sets the warmup: without it, the next one may keep it
+                c, st = kept.pop(0)
+                skipped.append(
+                    f"budget {c:.3g} FLOPs {where}: warmup {shape.warmup} steps is over "
+                    f"sweep.max_warmup_share={sweep.max_warmup_share:g} of its {st} steps; raise the budget, "
+                    "lower sweep.min_warmup_steps or drop the size"
+                )
             if not kept:
                 continue
-            if len(kept) < len(group):
-                shape = run_shape(base, sweep, n, [c for c, _ in kept])
             for lr, seed in itertools.product(sweep.lrs or [base.optim.lr], sweep.seeds or [base.train.seed]):
                 plans.append(
                     TrialPlan(
