@@ -4,7 +4,9 @@ after. On lmforge's small sweeps Chinchilla's form (fitted over a 4x range of co
 10x rung came in 4.5% below its prediction and 0.9% above this form's (README, `benchmarks/law_forms.py`).
 
 Fitted in log loss with a robust soft-L1 loss (2%: residuals beyond count linearly), from a fixed start and
-perturbations of it; the lowest objective wins. Sizing stays with Chinchilla's law: this one is a second opinion.
+perturbations of it; the lowest objective wins. Sizing stays with Chinchilla's law: this one is a second opinion,
+with intervals of its own (`kaplan_intervals`: the same parametric bootstrap as Chinchilla's), so the spread between
+the two forms can be read beside the spread within each.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.optimize import least_squares
 
+from evaluation.law_noise import residual_noise
 from evaluation.scaling_data import ScalingPoints
 
 ROBUST_SCALE = 0.02
@@ -85,3 +88,72 @@ def fit_kaplan(points: ScalingPoints, starts: int = N_STARTS, seed: int = 0) -> 
     if best is None:
         raise ValueError("Kaplan's form did not converge from any start")
     return KaplanLaw.from_theta(best.x)
+
+
+@dataclass(frozen=True)
+class KaplanIntervals:
+    """`level` intervals of Kaplan's form: its loss at one (N, D) (the law's), where one new run there lands, and
+    its compute-optimal N at a budget; from `n` resampled fits (`n_failed` more did not converge)."""
+
+    loss: tuple[float, float]
+    run: tuple[float, float]
+    n_opt: tuple[float, float]
+    n: int
+    n_failed: int
+
+
+def kaplan_intervals(
+    points: ScalingPoints,
+    law: KaplanLaw,
+    n: float,
+    d: float,
+    budget: float,
+    n_resamples: int = 500,
+    level: float = 0.95,
+    seed: int = 0,
+) -> KaplanIntervals:
+    """The parametric bootstrap Chinchilla's fit uses (`law_noise`): the run and point noise its residuals show
+    (what the five parameters absorb taken out), sweeps redrawn from the law and that noise on the same design,
+    each refitted from the law; a new run adds its own offset and noise to each resample's loss."""
+    theta = law.theta()
+    residual = np.log(points.loss) - _log_loss(theta, points.n, points.d)
+    noise = residual_noise(points, residual, _log_jacobian(theta, points.n, points.d))
+    rng = np.random.default_rng(seed)
+    redrawn = _log_loss(theta, points.n, points.d)[None] + noise.draw(rng, points.runs, n_resamples)
+    fitted = []
+    for y in redrawn:
+        try:
+            with np.errstate(all="ignore"):
+                sol = least_squares(
+                    lambda t: _log_loss(t, points.n, points.d) - y,
+                    theta,
+                    loss="soft_l1",
+                    f_scale=ROBUST_SCALE,
+                    max_nfev=2000,
+                )
+        except ValueError:  # a resample whose loss overflows on the way: left out, counted
+            continue
+        if sol.success and np.all(np.isfinite(sol.fun)):
+            fitted.append(KaplanLaw.from_theta(sol.x))
+    loss = np.array([f.loss(n, d) for f in fitted], dtype=float)
+    run = loss * np.exp(noise.draw(rng, np.zeros(1, int), len(loss))[:, 0])
+    n_opt = np.array([f.optimal_n(budget) for f in fitted], dtype=float)
+    q = [50 * (1 - level), 50 * (1 + level)]
+
+    def interval(x: np.ndarray) -> tuple[float, float]:
+        lo, hi = np.nanpercentile(x, q) if len(x) else (math.nan, math.nan)
+        return float(lo), float(hi)
+
+    return KaplanIntervals(
+        interval(loss), interval(run), interval(n_opt), len(fitted), n_resamples - len(fitted)
+    )
+
+
+def _log_jacobian(theta: np.ndarray, n: np.ndarray, d: np.ndarray, step: float = 1e-6) -> np.ndarray:
+    """(P, 5) derivatives of the log law in its parameters, by central differences."""
+    columns = []
+    for i in range(theta.size):
+        h = np.zeros_like(theta)
+        h[i] = step
+        columns.append((_log_loss(theta + h, n, d) - _log_loss(theta - h, n, d)) / (2 * step))
+    return np.stack(columns, axis=1)

@@ -82,12 +82,17 @@ def log_jacobian(law: Law, n: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 
 def estimate_noise(points: ScalingPoints, law: Law) -> NoiseModel:
-    """Method-of-moments estimates of the run and point variances from the residuals r = (I − H)·noise, where
-    H projects onto what the fit absorbs (its Jacobian's column space): the between-run and within-run sums of
-    squares have expectations linear in the two variances; solve, and clip a negative one to zero. With one
-    point per run the two cannot be told apart and all the scatter is per point."""
+    """The run and point variances around Chinchilla's law (`residual_noise` of its residuals)."""
     residual = np.log(points.loss) - np.log(law.loss(points.n, points.d))
-    jac = log_jacobian(law, points.n, points.d)
+    return residual_noise(points, residual, log_jacobian(law, points.n, points.d))
+
+
+def residual_noise(points: ScalingPoints, residual: np.ndarray, jac: np.ndarray) -> NoiseModel:
+    """Method-of-moments estimates of the run and point variances from a fit's log-loss residuals r = (I − H)·noise,
+    where H projects onto what the fit absorbs (the column space of `jac`, its log law's derivatives in its
+    parameters): the between-run and within-run sums of squares have expectations linear in the two variances;
+    solve, and clip a negative one to zero. With one point per run the two cannot be told apart and all the
+    scatter is per point."""
     keep = np.eye(len(points)) - jac @ np.linalg.pinv(jac)
     runs = points.runs
     member = np.eye(int(runs.max()) + 1)[runs]  # (P, R) one-hot

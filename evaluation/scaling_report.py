@@ -63,13 +63,17 @@ class CurvePrediction(BaseModel):
 
 
 class SecondForm(BaseModel):
-    """The rung predicted by a second law form (`evaluation/kaplan_fit.py`), beside its error and Chinchilla's on
-    the held-out budget (each fitted without it); once trained, its own error. Sizing stays with Chinchilla's."""
+    """The rung predicted by a second law form (`evaluation/kaplan_fit.py`), with its own 95% intervals (the
+    law's and a run's at the rung, its N*), beside its error and Chinchilla's on the held-out budget (each fitted
+    without it); once trained, its own error. Sizing stays with Chinchilla's."""
 
     form: str
     law: dict[str, float]
     loss: float
+    interval: tuple[float, float] | None = None  # its law's 95% interval at the rung
+    run_interval: tuple[float, float] | None = None  # where a run at the rung lands, by this form (95%)
     n_opt: float | None = None  # its compute-optimal size at the fit's target budget
+    n_opt_interval: tuple[float, float] | None = None  # 95%
     heldout_mean_rel_error: float | None = None
     chinchilla_heldout_mean_rel_error: float | None = None
     rel_error: float | None = None
@@ -528,6 +532,13 @@ def rung_lines(rung: Prediction | None) -> list[str]:
     second = rung.second_form
     if second is not None:
         line = f"  {second.form.capitalize()}'s form: predicted {second.loss:.4f}"
+        if second.interval is not None and second.run_interval is not None:
+            line += (
+                f", law 95% [{second.interval[0]:.4f}, {second.interval[1]:.4f}], a run 95% "
+                f"[{second.run_interval[0]:.4f}, {second.run_interval[1]:.4f}]"
+            )
+            if second.interval[1] < rung.interval[0] or rung.interval[1] < second.interval[0]:
+                line += " (apart from Chinchilla's: the form, more than the noise, bounds this prediction)"
         if second.rel_error is not None:
             line += f", error {second.rel_error:.2%}"
         if second.heldout_mean_rel_error is not None and second.chinchilla_heldout_mean_rel_error is not None:
@@ -537,5 +548,7 @@ def rung_lines(rung: Prediction | None) -> list[str]:
             )
         if second.n_opt is not None:
             line += f"; its compute-optimal N at the target {second.n_opt:.3g}"
+            if second.n_opt_interval is not None:
+                line += f" [{second.n_opt_interval[0]:.3g}, {second.n_opt_interval[1]:.3g}]"
         lines.append(line)
     return lines

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from data_pipeline.shards import DatasetManifest
 from evaluation.chinchilla_fit import HUBER_DELTA, Law
-from evaluation.kaplan_fit import fit_kaplan
+from evaluation.kaplan_fit import fit_kaplan, kaplan_intervals
 from evaluation.law_noise import calibrated_fit
 from evaluation.loss_curve import Anchor, CurveLaw, CurvePoints, Schedule, fit_curve_law, run_curve
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, points_from_table
@@ -50,8 +50,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 # 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned; 5: Kaplan's form beside;
-# 6: the curve anchored to the point law at every evaluation
-FIT_VERSION = 6
+# 6: the curve anchored to the point law at every evaluation; 7: Kaplan's intervals
+FIT_VERSION = 7
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
@@ -161,7 +161,8 @@ def _fit(
         prediction = prediction.model_copy(update={"curve": curve})
         updates["curve_law"] = summary
     try:
-        prediction = prediction.model_copy(update={"second_form": second_form(points, fit, n, d)})
+        second = second_form(points, fit, n, d, n_bootstrap // 4)
+        prediction = prediction.model_copy(update={"second_form": second})
     except ValueError as e:
         log.warning("no second law form: %s", e)
     fit = fit.model_copy(update={**updates, "rung": prediction})
@@ -184,10 +185,15 @@ def _fit(
     return fit
 
 
-def second_form(points: ScalingPoints, fit: ScalingFit, n: float, d: float) -> SecondForm:
-    """Kaplan's form fitted to the sweep's points: its loss at the rung's (n, d), and its mean error on the
-    held-out budget (fitted without it, as Chinchilla's in `fit.holdout`) beside Chinchilla's."""
+def second_form(
+    points: ScalingPoints, fit: ScalingFit, n: float, d: float, n_resamples: int = 500
+) -> SecondForm:
+    """Kaplan's form fitted to the sweep's points: its loss at the rung's (n, d) and N* at the target budget, each
+    with `n_resamples` bootstrap intervals, and its mean error on the held-out budget (fitted without it, as
+    Chinchilla's in `fit.holdout`) beside Chinchilla's."""
     law = fit_kaplan(points)
+    budget = fit.optimal.budget
+    intervals = kaplan_intervals(points, law, n, d, budget, n_resamples)
     held = holdout_mask(points)
     heldout = None
     if held is not None and len(np.unique(points.n[~held])) >= 2:
@@ -198,7 +204,10 @@ def second_form(points: ScalingPoints, fit: ScalingFit, n: float, d: float) -> S
         form="kaplan",
         law=law.as_dict(),
         loss=float(law.loss(n, d)),
-        n_opt=float(law.optimal_n(fit.optimal.budget)),
+        interval=intervals.loss,
+        run_interval=intervals.run,
+        n_opt=float(law.optimal_n(budget)),
+        n_opt_interval=intervals.n_opt,
         heldout_mean_rel_error=heldout,
         chinchilla_heldout_mean_rel_error=(fit.holdout or {}).get("mean_rel_error"),
     )
