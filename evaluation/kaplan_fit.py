@@ -125,7 +125,7 @@ def kaplan_intervals(
         try:
             with np.errstate(all="ignore"):
                 sol = least_squares(
-                    lambda t: _log_loss(t, points.n, points.d) - y,
+                    lambda t, y=y: _log_loss(t, points.n, points.d) - y,
                     theta,
                     loss="soft_l1",
                     f_scale=ROBUST_SCALE,
