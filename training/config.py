@@ -396,7 +396,7 @@ class SweepConfig(BaseModel):
     # so are horizons that a run's warmup would take more than this share of: their loss measures the schedule
     # more than N and D, and (being the largest sizes at the smallest budgets) biases N* low. On the demo the
     # 60-step floor made it 26-40% of the four shortest; with them the fit's N*(2.4e12) 95% interval was
-    # [7.9e4, 1.05e5], where seven shapes trained at that budget put the optimum at ~1.26e5 (README)
+    # [7.9e4, 1.05e5], where seven shapes trained at that budget put the optimum at ~1.25e5 (README)
     max_warmup_share: float = Field(0.25, gt=0.0, le=0.5)
     max_concurrent: PositiveInt = 1  # trials at once (on a 2-vCPU machine, 1)
     cpus_per_trial: PositiveFloat = 1.0
