@@ -47,7 +47,9 @@ class KaplanLaw:
         """Compute-optimal parameters for budget C = 6·N·D: with p = α_N/α_D, the minimum of (n_c/N)^p + 6·d_c·N/C
         is at N* = (p · n_c^p · C / (6 · d_c))^(1 / (p + 1)) (E does not move it)."""
         p = self.alpha_n / self.alpha_d
-        return np.power(p * self.n_c**p * np.asarray(c, dtype=float) / (6.0 * self.d_c), 1.0 / (p + 1.0))
+        with np.errstate(all="ignore"):  # in logs: a resampled law's n_c^p can pass a float's range
+            log_n = np.log(p) + p * np.log(self.n_c) + np.log(np.asarray(c, dtype=float) / (6.0 * self.d_c))
+            return np.exp(log_n / (p + 1.0))
 
     def theta(self) -> np.ndarray:
         return np.array(
@@ -131,10 +133,11 @@ def kaplan_intervals(
                     f_scale=ROBUST_SCALE,
                     max_nfev=2000,
                 )
-        except ValueError:  # a resample whose loss overflows on the way: left out, counted
+            resampled = KaplanLaw.from_theta(sol.x)
+        except (ValueError, OverflowError):  # a resample whose fit runs off: left out, counted
             continue
-        if sol.success and np.all(np.isfinite(sol.fun)):
-            fitted.append(KaplanLaw.from_theta(sol.x))
+        if sol.success and np.all(np.isfinite(sol.fun)) and np.isfinite(resampled.optimal_n(budget)):
+            fitted.append(resampled)
     loss = np.array([f.loss(n, d) for f in fitted], dtype=float)
     run = loss * np.exp(noise.draw(rng, np.zeros(1, int), len(loss))[:, 0])
     n_opt = np.array([f.optimal_n(budget) for f in fitted], dtype=float)

@@ -37,6 +37,19 @@ def test_the_compute_optimal_size_minimises_the_law_along_an_isoflop_curve():
     assert float(TRUE.optimal_n(c)) == pytest.approx(best, rel=1e-3)
 
 
+def test_a_runaway_laws_optimum_is_infinite_not_an_exception():
+    """A bootstrap resample of a tiny sweep (the e2e pipeline's) can fit n_c^p past a float's range: N* comes out
+    of logs (an inf where it is one, left out of the intervals), not an OverflowError that failed the pipeline."""
+    runaway = KaplanLaw(n_c=1e300, d_c=1.0, alpha_n=5.0, alpha_d=0.1, E=1.0)
+    p = 50.0
+    want = np.exp((np.log(p) + p * np.log(1e300) + np.log(1e12 / 6.0)) / (p + 1.0))
+    assert float(runaway.optimal_n(1e12)) == pytest.approx(want, rel=1e-9)
+    tiny = points(TRUE, noise=0.05)
+    tiny = ScalingPoints(tiny.n[::3], tiny.d[::3], tiny.loss[::3], tiny.c[::3], tiny.n_total[::3])
+    got = kaplan_intervals(tiny, fit_kaplan(tiny, starts=8), 1e5, 4e6, 2.4e12, n_resamples=40)
+    assert got.n + got.n_failed == 40 and np.isfinite(got.n_opt).all()
+
+
 def test_a_known_kaplan_law_is_recovered_from_its_points():
     got = fit_kaplan(points(TRUE))
     probe_n, probe_d = (
