@@ -65,8 +65,9 @@ def runs(
     warmups: list[str],
     seeds: list[int],
     shapes: list[tuple[int, int]],
-) -> tuple[list[dict], dict[str, list[float]]]:
-    """Each (shape, warmup)'s record, and each form's |error| at the rung's own warmup, shape by shape."""
+) -> tuple[list[dict], list[dict], dict[str, list[float]]]:
+    """Each (shape, warmup)'s record, those at the rung's own warmup, and each form's |error| there, shape by
+    shape."""
     point = Law(**{k: fit["law"][k] for k in ("E", "A", "B", "alpha", "beta")})
     kaplan = KaplanLaw(**fit["rung"]["second_form"]["law"])
     curve_law = CurveLaw(**fit["curve_law"]["law"])
@@ -75,7 +76,7 @@ def runs(
     shapes = shapes or [
         (depth, width) for depth, width, _ in nearest_shapes(recipe, fit["optimal"]["n_opt"], 64)[:3]
     ]
-    results, own = [], {"chinchilla": [], "kaplan": []}
+    results, at_rung, own = [], [], {"chinchilla": [], "kaplan": []}
     for depth, width in shapes:
         name = f"d{depth}w{width}"
         sized = rung_recipe(recipe, depth, width, budget)
@@ -98,21 +99,20 @@ def runs(
                 "chinchilla": float(point.loss(n, d)) / mean[-1] - 1,
                 "kaplan": float(kaplan.loss(n, d)) / mean[-1] - 1,
             }
+            record = {
+                "shape": name,
+                "n": n,
+                "warmup": rung.optim.warmup_steps,
+                "end_losses": [round(c[-1], 4) for c in curves],
+                **{f"{form}_rel_error": round(e, 4) for form, e in errors.items()},
+                "curve_max_rel_error": round(float(np.abs(np.array(predicted.loss) / mean - 1).max()), 4),
+            }
+            results.append(record)
             if warmup == "rung":
+                at_rung.append(record)
                 for form, error in errors.items():
                     own[form].append(abs(error))
-            results.append(
-                {
-                    "shape": name,
-                    "n": n,
-                    "warmup": rung.optim.warmup_steps,
-                    "warmup_name": warmup,
-                    "end_losses": [round(c[-1], 4) for c in curves],
-                    **{f"{form}_rel_error": round(e, 4) for form, e in errors.items()},
-                    "curve_max_rel_error": round(float(np.abs(np.array(predicted.loss) / mean - 1).max()), 4),
-                }
-            )
-    return results, own
+    return results, at_rung, own
 
 
 def main() -> None:
@@ -142,7 +142,9 @@ def main() -> None:
         recipe = load_recipe(
             args.recipe, [f"output_dir={scratch}", "tracking.enabled=false", "sweep.probe=null"]
         )
-        results, own = runs(recipe, fit, data, warmups, seeds, [(int(m[1]), int(m[2])) for m in named])
+        results, at_rung, own = runs(
+            recipe, fit, data, warmups, seeds, [(int(m[1]), int(m[2])) for m in named]
+        )
     record = {
         "benchmark": "rung_shapes",
         "fit": fit["path"],
@@ -156,9 +158,7 @@ def main() -> None:
             if e
         },
     }
-    record |= measured_optimum(fit, [r for r in results if r["warmup_name"] == "rung"])
-    for r in results:
-        del r["warmup_name"]
+    record |= measured_optimum(fit, at_rung)
     print(json.dumps(record))
 
 

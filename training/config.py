@@ -367,8 +367,8 @@ class SweepConfig(BaseModel):
     budget's token count, so one run gives one point per budget. The global batch can grow with the run's tokens
     (B ∝ D^batch_exponent, rounded to a power of two), the learning rate with it (lr ∝ B^lr_batch_exponent, the
     grid's rates being those at the recipe's batch) and warmup is a share of the shortest horizon, with a floor
-    in steps (a horizon the floor would make mostly warmup is not trained). An optional learning-rate grid multiplies the trials; `scheduler: asha` stops poor rates early
-    (kept out of the fits).
+    in steps (a horizon the floor would make mostly warmup is not trained). An optional learning-rate grid
+    multiplies the trials; `scheduler: asha` stops poor rates early (kept out of the fits).
     `seeds` replicates every run with other initialisations and data orders: on the demo sweep a run's offset from
     the law did not carry over to another seed, so replicas are what narrows the law's intervals.
     """
