@@ -46,7 +46,7 @@ def main() -> None:
     if points is None:
         sys.exit(f"{source}: its runs' directories are not on this machine")
     point_law = calibrated_fit(table, n_resamples=10)
-    anchor = Anchor(table, point_law.fit.law, point_law.delta)
+    anchor = Anchor.chinchilla(table, point_law.fit.law, point_law.delta)
     fit = fit_curve_law(points, start=point_law.fit.law.as_dict(), anchor=anchor)
     alone = fit_curve_law(points, start=point_law.fit.law.as_dict())
     record: dict = {

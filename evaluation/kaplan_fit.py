@@ -4,9 +4,9 @@ after. On lmforge's small sweeps Chinchilla's form (fitted over a 4x range of co
 10x rung came in 4.5% below its prediction and 0.9% above this form's (README, `benchmarks/law_forms.py`).
 
 Fitted in log loss with a robust soft-L1 loss (2%: residuals beyond count linearly), from a fixed start and
-perturbations of it; the lowest objective wins. Sizing stays with Chinchilla's law: this one is a second opinion,
-with intervals of its own (`kaplan_intervals`: the same parametric bootstrap as Chinchilla's), so the spread between
-the two forms can be read beside the spread within each.
+perturbations of it; the lowest objective wins. Its intervals (`kaplan_intervals`) come from the same parametric
+bootstrap as Chinchilla's, so the spread between the two forms can be read beside the spread within each; the form
+with the smaller error on the held-out budget sizes the rung (`evaluation.law_form`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from evaluation.scaling_data import ScalingPoints
 ROBUST_SCALE = 0.02
 N_STARTS = 60
 START = np.array([math.log(1e4), math.log(1e6), 0.7, 0.5, 0.5])  # log N_c, log D_c, α_N, α_D, log E
+EXPONENTS = ("alpha_n", "alpha_d")  # the size's and the data's, as Chinchilla's alpha and beta
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,17 @@ def _log_loss(theta: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray:
         return np.log(np.exp(log_e) + inner**alpha_d)
 
 
-def fit_kaplan(points: ScalingPoints, starts: int = N_STARTS, seed: int = 0) -> KaplanLaw:
-    """The lowest robust fit from `START` and `starts − 1` random perturbations of it (deterministic per seed)."""
+def fit_kaplan(
+    points: ScalingPoints, starts: int = N_STARTS, seed: int = 0, start: KaplanLaw | None = None
+) -> KaplanLaw:
+    """The lowest robust fit from `start` (default `START`) and `starts − 1` random perturbations of it
+    (deterministic per seed)."""
     y = np.log(points.loss)
     rng = np.random.default_rng(seed)
+    base = START if start is None else start.theta()
     best = None
     for i in range(starts):
-        theta0 = START + (rng.normal(0.0, 0.5, START.size) if i else 0.0)
+        theta0 = base + (rng.normal(0.0, 0.5, base.size) if i else 0.0)
         try:
             with np.errstate(all="ignore"):
                 sol = least_squares(
@@ -94,12 +99,13 @@ def fit_kaplan(points: ScalingPoints, starts: int = N_STARTS, seed: int = 0) -> 
 
 @dataclass(frozen=True)
 class KaplanIntervals:
-    """`level` intervals of Kaplan's form: its loss at one (N, D) (the law's), where one new run there lands, and
-    its compute-optimal N at a budget; from `n` resampled fits (`n_failed` more did not converge)."""
+    """`level` intervals of Kaplan's form: its loss at one (N, D) (the law's), where one new run there lands, its
+    compute-optimal N at a budget and its exponents; from `n` resampled fits (`n_failed` more did not converge)."""
 
     loss: tuple[float, float]
     run: tuple[float, float]
     n_opt: tuple[float, float]
+    exponents: dict[str, tuple[float, float]]  # alpha_n, alpha_d
     n: int
     n_failed: int
 
@@ -147,8 +153,9 @@ def kaplan_intervals(
         lo, hi = np.nanpercentile(x, q) if len(x) else (math.nan, math.nan)
         return float(lo), float(hi)
 
+    exponents = {k: interval(np.array([getattr(f, k) for f in fitted])) for k in EXPONENTS}
     return KaplanIntervals(
-        interval(loss), interval(run), interval(n_opt), len(fitted), n_resamples - len(fitted)
+        interval(loss), interval(run), interval(n_opt), exponents, len(fitted), n_resamples - len(fitted)
     )
 
 

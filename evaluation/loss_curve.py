@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 from scipy.optimize import least_squares
@@ -271,18 +272,28 @@ class CurveLaw:
         return asdict(self)
 
 
+class PointLaw(Protocol):
+    """A law of the loss at (N, D) tokens: Chinchilla's or Kaplan's form."""
+
+    def loss(self, n: np.ndarray | float, d: np.ndarray | float) -> np.ndarray: ...
+
+
 @dataclass(frozen=True)
 class Anchor:
-    """The point law curves are anchored to, with the points and Huber threshold it was fitted with: refitted
-    without a run, it predicts that run's decayed losses as a new run's."""
+    """The point law curves are anchored to (the form the fit chose), with the points it was fitted to and how it
+    is refitted on others: refitted without a run, it predicts that run's decayed losses as a new run's."""
 
     points: ScalingPoints
-    law: Law
-    delta: float
+    law: PointLaw
+    refit: Callable[[ScalingPoints], PointLaw]
 
-    def without(self, run: str) -> Law:
-        others = self.points.subset(self.points.run != run)
-        return fit_law(others, starts=self.law.theta(), delta=self.delta).law
+    @classmethod
+    def chinchilla(cls, points: ScalingPoints, law: Law, delta: float) -> Anchor:
+        """Chinchilla's law, refitted from itself with the fit's Huber threshold `delta`."""
+        return cls(points, law, lambda others: fit_law(others, starts=law.theta(), delta=delta).law)
+
+    def without(self, run: str) -> PointLaw:
+        return self.refit(self.points.subset(self.points.run != run))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from evaluation.chinchilla_fit import Law
 from evaluation.isoflop import IsoFlopFit, fit_parabolas
+from evaluation.law_form import FormChoice
 from evaluation.law_noise import IntervalMethod, NoiseModel, calibrated_fit, prediction_interval
 from evaluation.loss_curve import CURVE_TOLERANCE, CurvePoints
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, load_points
@@ -62,10 +63,10 @@ class CurvePrediction(BaseModel):
         return self.model_copy(update={"measured": values, "max_rel_error": max(errors) if errors else None})
 
 
-class SecondForm(BaseModel):
-    """The rung predicted by a second law form (`evaluation/kaplan_fit.py`), with its own 95% intervals (the
-    law's and a run's at the rung, its N*), beside its error and Chinchilla's on the held-out budget (each fitted
-    without it); once trained, its own error. Sizing stays with Chinchilla's."""
+class FormPrediction(BaseModel):
+    """One law form's answer for the rung (`evaluation/law_form.py`): its law, its loss at the rung with its own
+    95% intervals (the law's and a run's), its N* at the target budget with its interval, its exponents' intervals
+    and its mean error on the held-out budget (fitted without it); once trained, its own error."""
 
     form: str
     law: dict[str, float]
@@ -74,11 +75,11 @@ class SecondForm(BaseModel):
     run_interval: tuple[float, float] | None = None  # where a run at the rung lands, by this form (95%)
     n_opt: float | None = None  # its compute-optimal size at the fit's target budget
     n_opt_interval: tuple[float, float] | None = None  # 95%
+    exponents: dict[str, tuple[float, float]] | None = None  # 95%: alpha, beta (Chinchilla); alpha_n, alpha_d
     heldout_mean_rel_error: float | None = None
-    chinchilla_heldout_mean_rel_error: float | None = None
     rel_error: float | None = None
 
-    def check(self, loss: float) -> SecondForm:
+    def check(self, loss: float) -> FormPrediction:
         return self.model_copy(update={"rel_error": abs(loss - self.loss) / loss})
 
 
@@ -86,7 +87,8 @@ class Prediction(BaseModel):
     """The law's loss at one (N, D), made before the run, with two 95% intervals: where the law's value lies
     (`interval`, the confidence interval) and where one new run's loss lands (`run_interval`, the prediction
     interval: the law's uncertainty plus a run's own scatter). Once it has trained: the measured loss and whether
-    the prediction held (inside the prediction interval and within 3%)."""
+    the prediction held (inside the prediction interval and within 3%). `form` is the law form that made it, the
+    other form's is beside it (`second_form`)."""
 
     n: float
     d: float
@@ -102,7 +104,8 @@ class Prediction(BaseModel):
     inside_interval: bool | None = None
     held: bool | None = None
     curve: CurvePrediction | None = None  # the whole validation curve (the loss-curve law's), when fitted
-    second_form: SecondForm | None = None  # the same rung predicted by Kaplan's form
+    form: str = "chinchilla"  # the law form that made this prediction (`evaluation/law_form.py`)
+    second_form: FormPrediction | None = None  # the same rung predicted by the other form
 
     @property
     def check_interval(self) -> tuple[float, float]:
@@ -164,6 +167,14 @@ class ScalingFit(Artifact):
     contamination: dict[str, Any] | None = None
     rung: Prediction | None = None  # the model trained at the target budget: predicted, then measured
     curve_law: dict[str, Any] | None = None  # the loss-curve law fitted on the sweep's validation curves
+    choice: FormChoice | None = (
+        None  # the law form that sized the rung (None: Chinchilla's, fits before 2026-12-05)
+    )
+
+    @property
+    def sizing_n_opt(self) -> float:
+        """The N* the rung is sized at: the chosen form's."""
+        return self.choice.n_opt if self.choice is not None else self.optimal.n_opt
 
     @classmethod
     def read(cls, out_dir: str | Path) -> ScalingFit:
@@ -450,6 +461,12 @@ def headline(fit: ScalingFit) -> str:
     lines.append(
         f"N counts {fit.param_count} parameters (matmul: every matrix multiply per token, head included)"
     )
+    if fit.choice is not None:
+        c = fit.choice
+        lines.append(
+            f"Law form: {c.form.capitalize()}'s sizes the rung and predicts it ({c.reason}); its N*={c.n_opt:.4g} "
+            f"(95% {c.n_opt_interval[0]:.3g}–{c.n_opt_interval[1]:.3g})"
+        )
     lines += rung_lines(fit.rung)
     lines += goal_lines(fit)
     if fit.contamination:
@@ -464,13 +481,15 @@ def headline(fit: ScalingFit) -> str:
 def precision_goals(fit: ScalingFit) -> list[tuple[str, str, bool]]:
     """What a decision needs from a ladder, each as (what, measured vs goal, met): the compute-optimal size pinned
     within 1.5x (95% interval high/low), both exponents' 95% intervals narrower than 0.15, the rung's law interval
-    within ±3%, its measured loss within 1% and its validation curve within 1.5% of the prediction."""
+    within ±3%, its measured loss within 1% and its validation curve within 1.5% of the prediction; N* and the
+    exponents are the chosen form's (`fit.choice`)."""
     goals = []
-    lo, hi = fit.optimal.n_opt_interval
+    choice = fit.choice
+    lo, hi = choice.n_opt_interval if choice is not None else fit.optimal.n_opt_interval
     goals.append(("N* 95% interval", f"{hi / lo:.2f}x (goal ≤ 1.5x)", hi / lo <= 1.5))
-    for k in ("alpha", "beta"):
-        width = fit.intervals[k][1] - fit.intervals[k][0]
-        goals.append((f"{k} 95% interval", f"width {width:.3f} (goal < 0.15)", width < 0.15))
+    exponents = choice.exponents if choice is not None else {k: fit.intervals[k] for k in ("alpha", "beta")}
+    for k, (low, high) in exponents.items():
+        goals.append((f"{k} 95% interval", f"width {high - low:.3f} (goal < 0.15)", high - low < 0.15))
     rung = fit.rung
     if rung is not None:
         half = (rung.interval[1] - rung.interval[0]) / 2 / rung.loss
@@ -496,7 +515,7 @@ def rung_lines(rung: Prediction | None) -> list[str]:
     if rung is None:
         return []
     line = (
-        f"Rung N={rung.n:,.0f}, D={rung.d:,.0f}: predicted loss {rung.loss:.4f}, law 95% "
+        f"Rung N={rung.n:,.0f}, D={rung.d:,.0f}: {rung.form.capitalize()}'s form predicted {rung.loss:.4f}, law 95% "
         f"[{rung.interval[0]:.4f}, {rung.interval[1]:.4f}]"
     )
     if rung.run_interval:
@@ -538,14 +557,11 @@ def rung_lines(rung: Prediction | None) -> list[str]:
                 f"[{second.run_interval[0]:.4f}, {second.run_interval[1]:.4f}]"
             )
             if second.interval[1] < rung.interval[0] or rung.interval[1] < second.interval[0]:
-                line += " (apart from Chinchilla's: the form, more than the noise, bounds this prediction)"
+                line += f" (apart from {rung.form.capitalize()}'s: the form, more than the noise, bounds this prediction)"
         if second.rel_error is not None:
             line += f", error {second.rel_error:.2%}"
-        if second.heldout_mean_rel_error is not None and second.chinchilla_heldout_mean_rel_error is not None:
-            line += (
-                f" (on the held-out budget {second.heldout_mean_rel_error:.2%} off on average, "
-                f"Chinchilla's {second.chinchilla_heldout_mean_rel_error:.2%})"
-            )
+        if second.heldout_mean_rel_error is not None:
+            line += f" (on the held-out budget {second.heldout_mean_rel_error:.2%} off on average)"
         if second.n_opt is not None:
             line += f"; its compute-optimal N at the target {second.n_opt:.3g}"
             if second.n_opt_interval is not None:

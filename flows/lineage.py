@@ -123,7 +123,7 @@ def record_tokenize(recipe: Recipe, data: DatasetManifest) -> None:
 
 def record_fit(recipe: Recipe, law: ScalingFit, fitted: Path, budget: float) -> None:
     """The law, its optimum and the rung's prediction against its measurement; fit.json and the plots."""
-    numbers = {f"fit/{k}": v for k, v in law.law.items()} | {"fit/n_opt": law.optimal.n_opt}
+    numbers = {f"fit/{k}": v for k, v in law.law.items()} | {"fit/n_opt": law.sizing_n_opt}
     rung = law.rung
     if rung is not None and rung.measured_loss is not None:
         numbers |= {"fit/rung_predicted_loss": rung.loss, "fit/rung_measured_loss": rung.measured_loss}

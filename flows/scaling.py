@@ -19,19 +19,29 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_pipeline.shards import DatasetManifest
-from evaluation.chinchilla_fit import HUBER_DELTA, Law
-from evaluation.kaplan_fit import fit_kaplan, kaplan_intervals
+from evaluation.chinchilla_fit import HUBER_DELTA
+from evaluation.kaplan_fit import KaplanLaw, fit_kaplan, kaplan_intervals
+from evaluation.law_form import FormChoice, choose_form
 from evaluation.law_noise import calibrated_fit
-from evaluation.loss_curve import Anchor, CurveLaw, CurvePoints, Schedule, fit_curve_law, run_curve
+from evaluation.loss_curve import (
+    Anchor,
+    CurveLaw,
+    CurvePoints,
+    PointLaw,
+    Schedule,
+    fit_curve_law,
+    run_curve,
+)
 from evaluation.scaling_data import ScalingDataError, ScalingPoints, points_from_table
 from evaluation.scaling_report import (
     CURVE_PLOT,
     FIT_FILE,
+    LAW_KEYS,
     PLOTS,
     CurvePrediction,
+    FormPrediction,
     Prediction,
     ScalingFit,
-    SecondForm,
     holdout_mask,
     load_samples,
     predict,
@@ -50,8 +60,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 # 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned; 5: Kaplan's form beside;
-# 6: the curve anchored to the point law at every evaluation; 7: Kaplan's intervals
-FIT_VERSION = 7
+# 6: the curve anchored to the point law at every evaluation; 7: Kaplan's intervals; 8: the form chosen
+FIT_VERSION = 8
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
@@ -132,9 +142,8 @@ def _fit(
         plots=False,
         write=False,
     )
-    rung, _ = size_for_budget(recipe, fit.optimal.n_opt, budget)
-    n, d = rung_size(rung)
-    prediction = predict(fit.to_law(), load_samples(out), fit.noise_model(), n, d)
+    fit, rung, prediction, kaplan = choose_and_size(recipe, points, fit, budget, out, n_bootstrap // 4)
+    n, d = prediction.n, prediction.d
     contamination = contamination_report(data) if recipe.sweep.probe and data is not None else None
     updates: dict[str, Any] = {"contamination": contamination}
     task_points = sweep_points(sweep.results, "task_loss") if recipe.sweep.probe else None
@@ -146,7 +155,7 @@ def _fit(
         )
         updates |= {"task_law": task.fit.law.as_dict(), "task_intervals": task.boot.intervals()}
     curves = sweep_curves(points, recipe.sweep.min_steps)
-    anchor = Anchor(points, fit.to_law(), fit.huber_delta or HUBER_DELTA)
+    anchor = curve_anchor(points, fit, kaplan)
     try:
         curve_fit = fit_curve_law(curves, start=fit.law, anchor=anchor) if curves is not None else None
     except ValueError as e:  # too few points or sizes: the point law stands without the curve
@@ -160,11 +169,6 @@ def _fit(
         )
         prediction = prediction.model_copy(update={"curve": curve})
         updates["curve_law"] = summary
-    try:
-        second = second_form(points, fit, n, d, n_bootstrap // 4)
-        prediction = prediction.model_copy(update={"second_form": second})
-    except ValueError as e:
-        log.warning("no second law form: %s", e)
     fit = fit.model_copy(update={**updates, "rung": prediction})
     write_fit_plots(fit, points, out, curves)
     fit.save(out)
@@ -172,8 +176,8 @@ def _fit(
     tracker.log_metrics({f"fit/{k}": v for k, v in fit.law.items()}, step=0)
     tracker.log_metrics(
         {
-            "fit/n_opt": fit.optimal.n_opt,
-            "fit/d_opt": fit.optimal.d_opt,
+            "fit/n_opt": fit.sizing_n_opt,
+            "fit/d_opt": budget / (6.0 * fit.sizing_n_opt),
             "fit/rung_predicted_loss": prediction.loss,
             **second_form_metric(prediction, "predicted_loss", "loss"),
         },
@@ -185,32 +189,114 @@ def _fit(
     return fit
 
 
-def second_form(
-    points: ScalingPoints, fit: ScalingFit, n: float, d: float, n_resamples: int = 500
-) -> SecondForm:
-    """Kaplan's form fitted to the sweep's points: its loss at the rung's (n, d) and N* at the target budget, each
-    with `n_resamples` bootstrap intervals, and its mean error on the held-out budget (fitted without it, as
-    Chinchilla's in `fit.holdout`) beside Chinchilla's."""
-    law = fit_kaplan(points)
-    budget = fit.optimal.budget
-    intervals = kaplan_intervals(points, law, n, d, budget, n_resamples)
-    held = holdout_mask(points)
-    heldout = None
-    if held is not None and len(np.unique(points.n[~held])) >= 2:
-        test = points.subset(held)
-        other = fit_kaplan(points.subset(~held))
-        heldout = float(np.mean(np.abs(other.loss(test.n, test.d) / test.loss - 1.0)))
-    return SecondForm(
-        form="kaplan",
-        law=law.as_dict(),
-        loss=float(law.loss(n, d)),
-        interval=intervals.loss,
-        run_interval=intervals.run,
-        n_opt=float(law.optimal_n(budget)),
-        n_opt_interval=intervals.n_opt,
-        heldout_mean_rel_error=heldout,
-        chinchilla_heldout_mean_rel_error=(fit.holdout or {}).get("mean_rel_error"),
+def choose_and_size(
+    recipe: Recipe, points: ScalingPoints, fit: ScalingFit, budget: float, out: Path, n_resamples: int
+) -> tuple[ScalingFit, Recipe, Prediction, KaplanLaw | None]:
+    """The law form that sizes the rung (`choose_form` on each form's held-out error, recorded as `fit.choice`),
+    the rung's recipe at that form's N*, its prediction there with the other form's beside (Kaplan's intervals
+    from `n_resamples`), and Kaplan's law (None where it did not converge)."""
+    kaplan = kaplan_form(points)
+    law = kaplan[0] if kaplan else None
+    heldout = {
+        "chinchilla": (fit.holdout or {}).get("mean_rel_error"),
+        "kaplan": kaplan[1] if kaplan else None,
+    }
+    form, reason = choose_form(recipe.sweep.law_form if law else "chinchilla", heldout)
+    n_opt = float(law.optimal_n(budget)) if form == "kaplan" else fit.optimal.n_opt
+    rung, _ = size_for_budget(recipe, n_opt, budget)
+    n, d = rung_size(rung)
+    forms = form_predictions(points, fit, law, heldout, n, d, out, n_resamples)
+    chosen = forms.pop(form)
+    choice = FormChoice(
+        form=form,
+        reason=reason,
+        heldout=heldout,
+        n_opt=chosen.n_opt,
+        n_opt_interval=chosen.n_opt_interval,
+        exponents=chosen.exponents,
     )
+    prediction = Prediction(
+        n=n,
+        d=d,
+        loss=chosen.loss,
+        interval=chosen.interval,
+        run_interval=chosen.run_interval,
+        form=form,
+        second_form=next(iter(forms.values()), None),
+    )
+    return fit.model_copy(update={"choice": choice}), rung, prediction, law
+
+
+def kaplan_form(points: ScalingPoints) -> tuple[KaplanLaw, float | None] | None:
+    """Kaplan's form fitted to the sweep's points, and its mean error on the held-out budget (fitted without it,
+    as Chinchilla's in `fit.holdout`; None with too few sizes left); None when it does not converge."""
+    try:
+        law = fit_kaplan(points)
+    except ValueError as e:
+        log.warning("no second law form: %s", e)
+        return None
+    held = holdout_mask(points)
+    if held is None or len(np.unique(points.n[~held])) < 2:
+        return law, None
+    test = points.subset(held)
+    try:
+        other = fit_kaplan(points.subset(~held))
+    except ValueError:
+        return law, None
+    return law, float(np.mean(np.abs(other.loss(test.n, test.d) / test.loss - 1.0)))
+
+
+def form_predictions(
+    points: ScalingPoints,
+    fit: ScalingFit,
+    kaplan: KaplanLaw | None,
+    heldout: dict[str, float | None],
+    n: float,
+    d: float,
+    out: Path,
+    n_resamples: int = 500,
+) -> dict[str, FormPrediction]:
+    """Each form's answer at the rung's (n, d): its loss with the law's and a run's 95% intervals, its N* at the
+    target budget and its exponents with theirs (Chinchilla's from the fit's bootstrap in `out`, Kaplan's from
+    `n_resamples` of its own, `kaplan_intervals`), and its held-out error."""
+    budget = fit.optimal.budget
+    chinchilla = predict(fit.to_law(), load_samples(out), fit.noise_model(), n, d)
+    forms = {
+        "chinchilla": FormPrediction(
+            form="chinchilla",
+            law={k: fit.law[k] for k in LAW_KEYS},
+            loss=chinchilla.loss,
+            interval=chinchilla.interval,
+            run_interval=chinchilla.run_interval,
+            n_opt=fit.optimal.n_opt,
+            n_opt_interval=fit.optimal.n_opt_interval,
+            exponents={k: fit.intervals[k] for k in ("alpha", "beta")},
+            heldout_mean_rel_error=heldout["chinchilla"],
+        )
+    }
+    if kaplan is not None:
+        law = kaplan
+        intervals = kaplan_intervals(points, law, n, d, budget, n_resamples)
+        forms["kaplan"] = FormPrediction(
+            form="kaplan",
+            law=law.as_dict(),
+            loss=float(law.loss(n, d)),
+            interval=intervals.loss,
+            run_interval=intervals.run,
+            n_opt=float(law.optimal_n(budget)),
+            n_opt_interval=intervals.n_opt,
+            exponents=intervals.exponents,
+            heldout_mean_rel_error=heldout["kaplan"],
+        )
+    return forms
+
+
+def curve_anchor(points: ScalingPoints, fit: ScalingFit, kaplan: KaplanLaw | None) -> Anchor:
+    """The chosen form's point law for the rung's curve to be anchored to, refitted from itself without a run for
+    the curve's held-out band."""
+    if fit.choice is not None and fit.choice.form == "kaplan" and kaplan is not None:
+        return Anchor(points, kaplan, lambda others: fit_kaplan(others, starts=8, start=kaplan))
+    return Anchor.chinchilla(points, fit.to_law(), fit.huber_delta or HUBER_DELTA)
 
 
 def second_form_metric(rung: Prediction, name: str, field: str) -> dict[str, float]:
@@ -240,7 +326,7 @@ def sweep_warmup(points: ScalingPoints) -> int:
     return int(np.median(warmups))
 
 
-def rung_curve(rung: Recipe, law: CurveLaw, point_law: Law, warmup: int) -> CurvePrediction:
+def rung_curve(rung: Recipe, law: CurveLaw, point_law: PointLaw, warmup: int) -> CurvePrediction:
     """The rung's validation loss at each step it will evaluate, and at its end had it used another schedule (no
     decay, twice the decay, cosine): the curve anchored to the point law (`CurveLaw.anchored`): the point law's
     loss at each evaluation's tokens, that of a run like the sweep's (its `warmup`) decayed there, plus what the

@@ -69,13 +69,13 @@ def run_fit(recipe: Recipe, inputs: Inputs, progress: Any) -> ScalingFit:
 
 
 def sized(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> tuple[Recipe, str]:
-    """The recipe at the size nearest the fitted N* for the target budget, and why that size."""
+    """The recipe at the size nearest the chosen law form's N* for the target budget, and why that size."""
     import pyarrow.parquet as pq
 
     from flows.scaling import size_for_budget
 
     sizes = [row["N"] for row in pq.read_table(inputs["sweep"].results, columns=["N"]).to_pylist()]
-    final, note = size_for_budget(recipe, law.optimal.n_opt, law.optimal.budget, (min(sizes), max(sizes)))
+    final, note = size_for_budget(recipe, law.sizing_n_opt, law.optimal.budget, (min(sizes), max(sizes)))
     return final.override({"name": f"{recipe.name}-optimal"}), note
 
 
@@ -91,6 +91,8 @@ def fit_headline(law: ScalingFit) -> dict[str, Any]:
     numbers: dict[str, Any] = {k: round(v, 4) for k, v in law.law.items()}
     numbers |= {f"{k} 95%": [round(x, 4) for x in law.intervals[k]] for k in ("alpha", "beta")}
     numbers |= {"N* (Approach 3)": round(law.optimal.n_opt), "N* (Approach 2)": law.approach2_n_opt}
+    if law.choice is not None:
+        numbers |= {"law form": law.choice.form, "N* (the form's, sizing)": round(law.choice.n_opt)}
     rung = law.rung
     if rung is not None:
         numbers |= {"rung predicted loss": round(rung.loss, 4), "rung 95% interval": list(rung.interval)}
@@ -110,7 +112,7 @@ def fit_headline(law: ScalingFit) -> dict[str, Any]:
 
 FIT: StageDef[ScalingFit] = StageDef(
     name="fit",
-    help="fit L(N, D) = E + A/N^alpha + B/D^beta to the sweep and size the model for the target budget",
+    help="fit Chinchilla's and Kaplan's laws to the sweep; size the model for the target budget by the one closer on the held-out budget",
     run=run_fit,
     needs={"sweep": "sweep", "data": "tokenize"},
     section="sweep",

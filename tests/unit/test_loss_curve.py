@@ -158,7 +158,7 @@ def test_held_out_runs_are_scored_against_the_point_law_refitted_without_them() 
     points = CurvePoints.concat(runs)
     law = Law(E=2.0, A=2000.0, B=0.75 * 1e6**0.57, alpha=0.8, beta=0.57)  # TRUTH's size and data terms
     for scale, low, high in ((1.0, 0.0, 0.02), (1.05, 0.04, 0.07)):
-        anchor = Anchor(decayed_points(runs, scale), law, delta=1e-3)
+        anchor = Anchor.chinchilla(decayed_points(runs, scale), law, delta=1e-3)
         inner = fit_curve_law(points, anchor=anchor).held_out.reshape(len(runs), -1)[1:-1]
         assert low < inner.mean() and inner.max() < high
 

@@ -1,5 +1,5 @@
-"""Kaplan's form beside Chinchilla's: the fit recovers a known law, and the rung's second prediction is written
-before it trains, checked after and reported."""
+"""Kaplan's form beside Chinchilla's: the fit recovers a known law; the form closer on the held-out budget sizes
+the rung and predicts it, the other's prediction is written beside before it trains, checked after and reported."""
 
 from __future__ import annotations
 
@@ -7,9 +7,18 @@ import numpy as np
 import pytest
 
 from evaluation.kaplan_fit import KaplanLaw, fit_kaplan, kaplan_intervals
+from evaluation.law_form import choose_form
 from evaluation.scaling_data import ScalingPoints
-from evaluation.scaling_report import Prediction, SecondForm, run_fit_scaling, rung_lines
-from flows.scaling import second_form, second_form_metric
+from evaluation.scaling_report import (
+    FormPrediction,
+    Prediction,
+    headline,
+    precision_goals,
+    run_fit_scaling,
+    rung_lines,
+)
+from flows.recipe import load_recipe
+from flows.scaling import choose_and_size, form_predictions, kaplan_form, rung_size, second_form_metric
 
 TRUE = KaplanLaw(n_c=3e4, d_c=2e6, alpha_n=0.25, alpha_d=0.3, E=1.2)
 
@@ -71,11 +80,18 @@ def test_a_start_whose_loss_is_not_finite_is_skipped(monkeypatch):
 def test_the_rung_gets_a_second_prediction_checked_and_reported(tmp_path):
     table = points(TRUE, noise=0.005)
     fit = run_fit_scaling(table, tmp_path, target_budget=2.4e12, n_bootstrap=50, plots=False, write=False)
-    second = second_form(table, fit, 1e5, 4e6)
+    law, heldout = kaplan_form(table)
+    errors = {"chinchilla": fit.holdout["mean_rel_error"], "kaplan": heldout}
+    forms = form_predictions(table, fit, law, errors, 1e5, 4e6, tmp_path)
+    second, chinchilla = forms["kaplan"], forms["chinchilla"]
+    assert chinchilla.loss == pytest.approx(float(fit.to_law().loss(1e5, 4e6)))
+    assert chinchilla.n_opt == fit.optimal.n_opt and chinchilla.exponents["alpha"] == fit.intervals["alpha"]
+    assert chinchilla.heldout_mean_rel_error == fit.holdout["mean_rel_error"]
     assert second.loss == pytest.approx(float(TRUE.loss(1e5, 4e6)), rel=0.02)
-    assert second.chinchilla_heldout_mean_rel_error == fit.holdout["mean_rel_error"]
     assert second.n_opt == pytest.approx(float(TRUE.optimal_n(2.4e12)), rel=0.1)
     assert 0 < second.heldout_mean_rel_error < 0.02  # the true form, fitted without the largest budget
+    lo, hi = second.exponents["alpha_d"]
+    assert lo < TRUE.alpha_d < hi and set(second.exponents) == {"alpha_n", "alpha_d"}
     rung = Prediction(n=1e5, d=4e6, loss=2.5, interval=(2.4, 2.6), second_form=second).check(2.4, None)
     assert rung.second_form.rel_error == pytest.approx(abs(2.4 - second.loss) / 2.4)
     (line,) = [x for x in rung_lines(rung) if "Kaplan's form" in x]
@@ -88,6 +104,45 @@ def test_the_rung_gets_a_second_prediction_checked_and_reported(tmp_path):
     for chinchillas, apart in (((2.4, 2.6), True), ((second.interval[1] - 0.01, 2.6), False)):
         lines = rung_lines(rung.model_copy(update={"interval": chinchillas}))
         assert ("apart from Chinchilla's" in [x for x in lines if "Kaplan's form" in x][0]) == apart
+
+
+def test_the_held_out_budget_chooses_the_form_unless_the_recipe_names_one():
+    assert choose_form("auto", {"chinchilla": 0.018, "kaplan": 0.017})[0] == "kaplan"
+    form, reason = choose_form("auto", {"chinchilla": 0.012, "kaplan": 0.017})
+    assert form == "chinchilla" and "1.20% against Kaplan's 1.70%" in reason
+    assert choose_form("chinchilla", {"chinchilla": 0.05, "kaplan": 0.01})[0] == "chinchilla"
+    assert choose_form("kaplan", {"chinchilla": None, "kaplan": None})[0] == "kaplan"
+    assert (
+        choose_form("auto", {"chinchilla": 0.05, "kaplan": None})[0] == "chinchilla"
+    )  # nothing to choose by
+
+
+@pytest.mark.parametrize("setting", ["auto", "chinchilla"])
+def test_the_chosen_form_sizes_the_rung_and_predicts_it(tmp_path, setting):
+    """A sweep drawn from Kaplan's form (so its held-out budget prefers it): with `auto` the rung is sized at
+    Kaplan's N* and predicted by it, Chinchilla's prediction beside; told `chinchilla`, the other way round. The
+    precision goals then read the chosen form's N* and exponents, and the headline says which form and why."""
+    table = points(TRUE, noise=0.003)
+    budget = 2.4e12
+    fit = run_fit_scaling(table, tmp_path, target_budget=budget, n_bootstrap=60, plots=False, write=False)
+    recipe = load_recipe("demo", [f"output_dir={tmp_path}", f"sweep.law_form={setting}"])
+    fit, rung, prediction, law = choose_and_size(recipe, table, fit, budget, tmp_path, n_resamples=60)
+    other = "chinchilla" if setting == "auto" else "kaplan"
+    want = setting if setting != "auto" else "kaplan"
+    n_opt = float(law.optimal_n(budget)) if want == "kaplan" else fit.optimal.n_opt
+    assert fit.choice.form == prediction.form == want and prediction.second_form.form == other
+    assert fit.sizing_n_opt == pytest.approx(n_opt) and (prediction.n, prediction.d) == rung_size(rung)
+    assert abs(np.log(prediction.n / n_opt)) < 0.35  # the nearest shape to the chosen form's N*
+    chosen_loss = (
+        law.loss(prediction.n, prediction.d)
+        if want == "kaplan"
+        else fit.to_law().loss(prediction.n, prediction.d)
+    )
+    assert prediction.loss == pytest.approx(float(chosen_loss))
+    goals = [what for what, _, _ in precision_goals(fit.model_copy(update={"rung": prediction}))]
+    exponents = ["alpha_n", "alpha_d"] if want == "kaplan" else ["alpha", "beta"]
+    assert goals[:3] == ["N* 95% interval", *(f"{k} 95% interval" for k in exponents)]
+    assert f"Law form: {want.capitalize()}'s sizes the rung" in headline(fit)
 
 
 def test_kaplans_intervals_hold_the_true_law_about_as_often_as_they_say():
@@ -114,12 +169,13 @@ def test_kaplans_intervals_hold_the_true_law_about_as_often_as_they_say():
 
 def test_a_prediction_without_a_second_form_reads_as_before():
     rung = Prediction(n=1e5, d=4e6, loss=2.5, interval=(2.4, 2.6)).check(2.45, None)
-    assert rung.second_form is None and not any("form" in x for x in rung_lines(rung))
-    assert SecondForm(form="kaplan", law={}, loss=2.0).check(2.5).rel_error == pytest.approx(0.2)
+    assert rung.second_form is None and not any("Kaplan" in x for x in rung_lines(rung))
+    assert "Chinchilla's form predicted 2.5000" in rung_lines(rung)[0]
+    assert FormPrediction(form="kaplan", law={}, loss=2.0).check(2.5).rel_error == pytest.approx(0.2)
 
 
 def test_mlflow_gets_the_second_forms_numbers_when_there_are_some():
-    second = SecondForm(form="kaplan", law={}, loss=2.0)
+    second = FormPrediction(form="kaplan", law={}, loss=2.0)
     rung = Prediction(n=1e5, d=4e6, loss=2.5, interval=(2.4, 2.6), second_form=second)
     assert second_form_metric(rung, "predicted_loss", "loss") == {"fit/rung_kaplan_predicted_loss": 2.0}
     assert second_form_metric(rung, "rel_error", "rel_error") == {}  # not trained yet

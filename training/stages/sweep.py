@@ -296,7 +296,7 @@ def run_sweep(spec: SweepSpec, data: DatasetManifest, progress: TrialProgress | 
             + (" (every pair was left out: " + "; ".join(skipped) + ")" if skipped else "")
         )
     config = {
-        "sweep": spec.sweep.model_dump(mode="json", exclude={"target_budget", "rung_multiple"}),
+        "sweep": spec.sweep.model_dump(mode="json", exclude={"target_budget", "rung_multiple", "law_form"}),
         "runs": spec.base.key(),
     }
     step = Step("sweep", spec.name, SWEEP_VERSION, config, SweepResult, {"data": data})

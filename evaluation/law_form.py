@@ -1,0 +1,47 @@
+"""Which law form sizes the rung and predicts it: Chinchilla's (`chinchilla_fit`) or Kaplan's (`kaplan_fit`).
+
+Both are fitted to every sweep. With `sweep.law_form: auto` the one with the smaller mean error on the held-out
+budget wins: each form fitted without the sweep's largest budget and scored predicting it, the same extrapolation
+in compute the rung asks of it. On the demo's sweeps the two forms' intervals at the rung did not overlap (the
+form bounded the prediction more than the noise), and the held-out budget chose the form that then predicted the
+rung and seven shapes at its budget better (README, "Which form").
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+FORMS = ("chinchilla", "kaplan")
+LawForm = Literal["auto", "chinchilla", "kaplan"]
+
+
+class FormChoice(BaseModel):
+    """The form that sized the rung and made its prediction, why, and what it says at the target budget: N* with
+    its 95% interval and its two exponents' 95% intervals (Chinchilla's alpha and beta, Kaplan's alpha_n and
+    alpha_d: the size's and the data's)."""
+
+    form: str
+    reason: str
+    heldout: dict[str, float | None]  # each form's mean relative error on the held-out budget
+    n_opt: float
+    n_opt_interval: tuple[float, float]
+    exponents: dict[str, tuple[float, float]]
+
+
+def choose_form(setting: LawForm, heldout: dict[str, float | None]) -> tuple[str, str]:
+    """(form, reason): the recipe's `setting`, or with `auto` the form with the smaller held-out error
+    (Chinchilla's when either has none: a sweep of one budget, or a form that did not converge without it)."""
+    if setting != "auto":
+        return setting, f"set by sweep.law_form={setting}"
+    if any(heldout.get(f) is None for f in FORMS):
+        return (
+            "chinchilla",
+            "no held-out error for both forms to choose by (sweep.law_form=auto): the default",
+        )
+    form, other = sorted(FORMS, key=lambda f: heldout[f])
+    return form, (
+        f"the smaller mean error on the held-out budget: {heldout[form]:.2%} against "
+        f"{other.capitalize()}'s {heldout[other]:.2%} (sweep.law_form=auto)"
+    )
