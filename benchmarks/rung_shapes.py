@@ -1,7 +1,7 @@
 """How much of the rung's error is the shape it got: a finished pipeline's rung (`make demo`'s by default) trained
 again at other shapes near N* and other warmups, each under the given seeds, each scored against what its fit
-predicts before it trains: the point law (Chinchilla's form, and Kaplan's as the fit's second form) at its end and
-the anchored curve at each evaluation. About a minute a run on the demo here; nothing is tracked.
+predicts before it trains: both law forms' point predictions at its end and the curve anchored to the chosen
+form's at each evaluation. About a minute a run on the demo here; nothing is tracked.
 
     .venv/bin/python benchmarks/rung_shapes.py [outputs] [--recipe demo] [--shapes d1w64,d2w48,d3w48]
         [--warmups rung,tenth,60] [--seeds 0,1]
@@ -11,8 +11,8 @@ the anchored curve at each evaluation. About a minute a run on the demo here; no
 number is steps. One JSON line: per (shape, warmup) the seeds' end losses, both forms' predicted/measured − 1 on
 the seeds' mean and the anchored curve's largest |predicted/measured − 1| on it, and the forms' mean |error| over
 the shapes at the rung's own warmup. With three sizes or more, also the compute-optimal N they measure (Approach
-2's parabola in log N through their end losses at the rung's warmup) beside the fit's N*, its 95% interval and
-Kaplan's N*: give shapes spanning 4x or more around N* (`--shapes d2w32,d2w48,d3w48,d2w64,d3w64,d4w64`), as
+2's parabola in log N through their end losses at the rung's warmup) beside each form's N* and 95% interval:
+give shapes spanning 4x or more around N* (`--shapes d2w32,d2w48,d3w48,d2w64,d3w64,d4w64`), as
 three neighbours put the parabola's vertex anywhere.
 """
 
@@ -68,13 +68,18 @@ def runs(
 ) -> tuple[list[dict], list[dict], dict[str, list[float]]]:
     """Each (shape, warmup)'s record, those at the rung's own warmup, and each form's |error| there, shape by
     shape."""
-    point = Law(**{k: fit["law"][k] for k in ("E", "A", "B", "alpha", "beta")})
-    kaplan = KaplanLaw(**fit["rung"]["second_form"]["law"])
+    answers = form_answers(fit)
+    laws = {
+        "chinchilla": Law(**answers["chinchilla"]["law"]),
+        "kaplan": KaplanLaw(**answers["kaplan"]["law"]),
+    }
+    anchor = laws[anchor_form(fit)]  # the curve is anchored to the chosen form's law
     curve_law = CurveLaw(**fit["curve_law"]["law"])
     reference_warmup = sweep_warmup(sweep_points(fit["source"]))
     budget = float(fit["optimal"]["budget"])
     shapes = shapes or [
-        (depth, width) for depth, width, _ in nearest_shapes(recipe, fit["optimal"]["n_opt"], 64)[:3]
+        (depth, width)
+        for depth, width, _ in nearest_shapes(recipe, answers[anchor_form(fit)]["n_opt"], 64)[:3]
     ]
     results, at_rung, own = [], [], {"chinchilla": [], "kaplan": []}
     for depth, width in shapes:
@@ -85,7 +90,7 @@ def runs(
             named_warmups = {"rung": sized.optim.warmup_steps, "tenth": round(0.1 * sized.train.max_steps)}
             steps = named_warmups[warmup] if warmup in named_warmups else int(warmup)
             rung = sized.override({"optim.warmup_steps": steps})
-            predicted = rung_curve(rung, curve_law, point, reference_warmup)
+            predicted = rung_curve(rung, curve_law, anchor, reference_warmup)
             curves = []
             for seed in seeds:
                 run = rung.override({"train.seed": seed, "name": f"{name}-w{warmup}-s{seed}"})
@@ -95,10 +100,7 @@ def runs(
                 }
                 curves.append([measured[s] for s in predicted.steps])
             mean = np.mean(curves, axis=0)
-            errors = {
-                "chinchilla": float(point.loss(n, d)) / mean[-1] - 1,
-                "kaplan": float(kaplan.loss(n, d)) / mean[-1] - 1,
-            }
+            errors = {form: float(law.loss(n, d)) / mean[-1] - 1 for form, law in laws.items()}
             record = {
                 "shape": name,
                 "n": n,
@@ -113,6 +115,28 @@ def runs(
                 for form, error in errors.items():
                     own[form].append(abs(error))
     return results, at_rung, own
+
+
+def anchor_form(fit: dict) -> str:
+    """The form that sized the fit's rung and predicted it (Chinchilla's in fits from before the choice)."""
+    return fit["rung"].get("form", "chinchilla")
+
+
+def form_answers(fit: dict) -> dict[str, dict]:
+    """Each law form's parameters, N* and its 95% interval in a fit.json: Chinchilla's (the fit's `law` and
+    `optimal`), the other form's from `choice` (when it sized the rung) or `rung.second_form`."""
+    optimal = fit["optimal"]
+    answers = {
+        "chinchilla": {
+            "law": {k: fit["law"][k] for k in ("E", "A", "B", "alpha", "beta")},
+            "n_opt": optimal["n_opt"],
+            "n_opt_interval": optimal["n_opt_interval"],
+        }
+    }
+    for entry in (fit["rung"].get("second_form"), fit.get("choice")):
+        if entry and entry["form"] != "chinchilla":
+            answers[entry["form"]] = {k: entry[k] for k in ("law", "n_opt", "n_opt_interval")}
+    return answers
 
 
 def main() -> None:
@@ -134,7 +158,7 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(args.outputs)
     fit = json.loads(newest(f"rung/{args.recipe}-*/fit.json", out).read_text())
-    if not fit.get("curve_law") or not fit["rung"].get("second_form"):
+    if not fit.get("curve_law") or "kaplan" not in form_answers(fit):
         sys.exit("this fit has no curve law or second form: rerun its pipeline with this version of lmforge")
     data = DatasetManifest.from_file(newest("tokenize/*/manifest.json", out))
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -164,10 +188,10 @@ def main() -> None:
 
 def measured_optimum(fit: dict, runs: list[dict]) -> dict:
     """The compute-optimal N the shapes trained at the rung's budget (and warmup) show, Approach 2's parabola in
-    log N through their seeds' mean end losses, beside the fit's N* and 95% interval and Kaplan's N*: where
-    the sizing's answer is checked, not only the loss it predicts. Three sizes at least, bracketing the minimum."""
-    optimal = fit["optimal"]
-    budget = float(optimal["budget"])
+    log N through their seeds' mean end losses, beside each form's N* and 95% interval (and which form sized the
+    rung): where the sizing's answer is checked, not only the loss it predicts. Three sizes at least, bracketing
+    the minimum."""
+    budget = float(fit["optimal"]["budget"])
     n = np.array([r["n"] for r in runs], dtype=float)
     points = ScalingPoints(
         n, budget / (6 * n), np.array([np.mean(r["end_losses"]) for r in runs]), np.full_like(n, budget), n
@@ -177,14 +201,15 @@ def measured_optimum(fit: dict, runs: list[dict]) -> dict:
     except ScalingDataError as e:
         return {"measured_n_opt": None, "measured_n_opt_why_not": str(e)}
     measured = found.parabolas[0].n_opt
-    low, high = optimal["n_opt_interval"]
-    return {
-        "measured_n_opt": round(measured),
-        "fit_n_opt_interval": [round(low), round(high)],
-        "fit_n_opt_over_measured": round(optimal["n_opt"] / measured, 3),
-        "kaplan_n_opt_over_measured": round(fit["rung"]["second_form"]["n_opt"] / measured, 3),
-        "fit_interval_holds_measured": bool(low <= measured <= high),
-    }
+    record = {"measured_n_opt": round(measured), "chosen_form": anchor_form(fit)}
+    for form, answer in form_answers(fit).items():
+        low, high = answer["n_opt_interval"]
+        record |= {
+            f"{form}_n_opt_interval": [round(low), round(high)],
+            f"{form}_n_opt_over_measured": round(answer["n_opt"] / measured, 3),
+            f"{form}_interval_holds_measured": bool(low <= measured <= high),
+        }
+    return record
 
 
 if __name__ == "__main__":

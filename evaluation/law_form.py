@@ -23,6 +23,7 @@ class FormChoice(BaseModel):
     alpha_d: the size's and the data's)."""
 
     form: str
+    law: dict[str, float]  # its fitted parameters (Chinchilla's are also the fit's `law`)
     reason: str
     heldout: dict[str, float | None]  # each form's mean relative error on the held-out budget
     n_opt: float

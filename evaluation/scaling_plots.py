@@ -31,7 +31,7 @@ def write_plots(
     loss-curve law and the sweep's curves are given."""
     paths = [out / "isoflop.png", out / "contours.png", out / "residuals.png", out / "prediction.png"]
     _isoflop(points, law, iso, fit, paths[0])
-    _contours(points, law, iso, fit.optimal, paths[1], fit.param_count)
+    _contours(points, law, iso, fit, paths[1])
     _residuals(points, law, paths[2])
     _prediction(fit, paths[3])
     if curves is not None and fit.curve_law is not None:
@@ -146,7 +146,7 @@ def _isoflop(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, fit: Any, 
             mfc="none",
             color="red",
             capsize=4,
-            label=f"rung at C = {fit.optimal.budget:.2g}: predicted (95% for a run)",
+            label=f"rung at C = {fit.optimal.budget:.2g}: {rung.form.capitalize()}'s prediction (95% for a run)",
         )
         if rung.measured_loss is not None:
             ax.plot(rung.n, rung.measured_loss, "rx", ms=10, mew=2, label="rung: measured")
@@ -211,9 +211,10 @@ def _prediction(fit: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def _contours(
-    points: ScalingPoints, law: Law, iso: IsoFlopFit | None, optimal: Any, path: Path, param_count: str
-) -> None:
+def _contours(points: ScalingPoints, law: Law, iso: IsoFlopFit | None, fit: Any, path: Path) -> None:
+    """Chinchilla's law's loss over (C, N) with its compute-optimal frontier, Approach 2's, and N* at the target
+    budget (the chosen form's too, where another form sized the rung)."""
+    optimal, param_count = fit.optimal, fit.param_count
     fig, ax = plt.subplots(figsize=(7, 4.5))
     c_lo, c_hi = points.c.min() / 3, max(points.c.max(), optimal.budget) * 3
     n_lo, n_hi = points.n.min() / 3, max(points.n.max(), optimal.n_opt) * 3
@@ -241,6 +242,17 @@ def _contours(
         ms=12,
         label=f"target C={optimal.budget:.2g}: N*={optimal.n_opt:.3g}",
     )
+    choice = fit.choice
+    if choice is not None and choice.form != "chinchilla":
+        lo, hi = choice.n_opt_interval
+        ax.errorbar(
+            optimal.budget,
+            choice.n_opt,
+            yerr=[[choice.n_opt - lo], [hi - choice.n_opt]],
+            fmt="bD",
+            capsize=4,
+            label=f"{choice.form.capitalize()}'s N*={choice.n_opt:.3g} (95%), which sized the rung",
+        )
     ax.set(
         xscale="log",
         yscale="log",

@@ -209,6 +209,7 @@ def choose_and_size(
     chosen = forms.pop(form)
     choice = FormChoice(
         form=form,
+        law=chosen.law,
         reason=reason,
         heldout=heldout,
         n_opt=chosen.n_opt,
