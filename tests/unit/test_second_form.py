@@ -146,11 +146,12 @@ def test_the_chosen_form_sizes_the_rung_and_predicts_it(tmp_path, setting):
 
 
 def test_kaplans_intervals_hold_the_true_law_about_as_often_as_they_say():
-    """Sweeps drawn from a known law with 1% noise per point: the 95% intervals of the loss at a 3x rung and of
-    N* at its budget hold the truth in most of them (each miss is 5% likely), and narrow with less noise."""
+    """Sweeps drawn from a known law with 1% noise per point: the 95% intervals of the loss at a 3x rung, of N* at
+    its budget and of the two exponents (what the precision goals read when this form is chosen) hold the truth in
+    most of them (each miss is 5% likely), and narrow with less noise."""
     n, d, budget = 1e5, 4e6, 2.4e12
     truth_loss, truth_n = float(TRUE.loss(n, d)), float(TRUE.optimal_n(budget))
-    held = {"loss": 0, "n_opt": 0}
+    held = {"loss": 0, "n_opt": 0, "alpha_n": 0, "alpha_d": 0}
     widths = {}
     for seed in range(8):
         for noise in (0.01, 0.0025) if seed == 0 else (0.01,):
@@ -163,7 +164,9 @@ def test_kaplans_intervals_hold_the_true_law_about_as_often_as_they_say():
             if noise == 0.01:
                 held["loss"] += got.loss[0] <= truth_loss <= got.loss[1]
                 held["n_opt"] += got.n_opt[0] <= truth_n <= got.n_opt[1]
-    assert held["loss"] >= 6 and held["n_opt"] >= 6  # P(fewer than 6 of 8 | 95%) = 0.6%
+                for k in ("alpha_n", "alpha_d"):
+                    held[k] += got.exponents[k][0] <= getattr(TRUE, k) <= got.exponents[k][1]
+    assert min(held.values()) >= 6, held  # P(fewer than 6 of 8 | 95%) = 0.6%
     assert 2 < widths[0.01] / widths[0.0025] < 8  # four times the noise, about four times the width
 
 
