@@ -18,7 +18,14 @@ from evaluation.scaling_report import (
     rung_lines,
 )
 from flows.recipe import load_recipe
-from flows.scaling import choose_and_size, form_predictions, kaplan_form, rung_size, second_form_metric
+from flows.scaling import (
+    choose_and_size,
+    form_predictions,
+    kaplan_form,
+    nearest_shapes,
+    rung_size,
+    second_form_metric,
+)
 
 TRUE = KaplanLaw(n_c=3e4, d_c=2e6, alpha_n=0.25, alpha_d=0.3, E=1.2)
 
@@ -132,7 +139,11 @@ def test_the_chosen_form_sizes_the_rung_and_predicts_it(tmp_path, setting):
     n_opt = float(law.optimal_n(budget)) if want == "kaplan" else fit.optimal.n_opt
     assert fit.choice.form == prediction.form == want and prediction.second_form.form == other
     assert fit.sizing_n_opt == pytest.approx(n_opt) and (prediction.n, prediction.d) == rung_size(rung)
-    assert abs(np.log(prediction.n / n_opt)) < 0.35  # the nearest shape to the chosen form's N*
+    assert prediction.n == nearest_shapes(recipe, n_opt)[0][2]  # the shape nearest the chosen form's N*
+    assert (
+        nearest_shapes(recipe, fit.optimal.n_opt)[0]
+        != nearest_shapes(recipe, float(law.optimal_n(budget)))[0]
+    )
     chosen_loss = (
         law.loss(prediction.n, prediction.d)
         if want == "kaplan"
