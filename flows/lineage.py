@@ -132,7 +132,8 @@ def record_fit(recipe: Recipe, law: ScalingFit, fitted: Path, budget: float) -> 
             numbers["fit/rung_curve_max_rel_error"] = rung.curve.max_rel_error
     files = (fitted / "fit.json", *sorted(fitted.glob("*.png")))
     digest = sha256_file(fitted / "fit.json")
-    record_stage(recipe, "fit", digest, numbers, {"budget": budget}, files, {"lmforge.run_dir": str(fitted)})
+    tags = {"lmforge.run_dir": str(fitted)} | ({"lmforge.law_form": law.choice.form} if law.choice else {})
+    record_stage(recipe, "fit", digest, numbers, {"budget": budget}, files, tags)
 
 
 def record_register(recipe: Recipe, version: RegisteredVersion, model: TrainedModel) -> None:

@@ -187,6 +187,7 @@ def test_mlflow_holds_the_lineage(served_run):
     (fit_json,) = out.glob("rung/*/fit.json")  # the fit, its prediction and the measurement
     fit = json.loads(fit_json.read_text())
     law, optimal, rung = fit["law"], fit["optimal"], fit["rung"]
+    assert children["fit"].data.tags["lmforge.law_form"] == fit["choice"]["form"] == rung["form"]
     alpha, beta = law["alpha"], law["beta"]
     g = (alpha * law["A"] / (beta * law["B"])) ** (1 / (alpha + beta))
     assert optimal["n_opt"] == pytest.approx(g * (optimal["budget"] / 6) ** (beta / (alpha + beta)), rel=1e-9)
