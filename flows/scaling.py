@@ -201,7 +201,10 @@ def choose_and_size(
         "chinchilla": (fit.holdout or {}).get("mean_rel_error"),
         "kaplan": kaplan[1] if kaplan else None,
     }
-    form, reason = choose_form(recipe.sweep.law_form if law else "chinchilla", heldout)
+    if law is None:  # nothing to choose from
+        form, reason = "chinchilla", "Kaplan's form did not converge on this sweep"
+    else:
+        form, reason = choose_form(recipe.sweep.law_form, heldout)
     n_opt = float(law.optimal_n(budget)) if form == "kaplan" else fit.optimal.n_opt
     rung, _ = size_for_budget(recipe, n_opt, budget)
     n, d = rung_size(rung)
@@ -276,15 +279,14 @@ def form_predictions(
         )
     }
     if kaplan is not None:
-        law = kaplan
-        intervals = kaplan_intervals(points, law, n, d, budget, n_resamples)
+        intervals = kaplan_intervals(points, kaplan, n, d, budget, n_resamples)
         forms["kaplan"] = FormPrediction(
             form="kaplan",
-            law=law.as_dict(),
-            loss=float(law.loss(n, d)),
+            law=kaplan.as_dict(),
+            loss=float(kaplan.loss(n, d)),
             interval=intervals.loss,
             run_interval=intervals.run,
-            n_opt=float(law.optimal_n(budget)),
+            n_opt=float(kaplan.optimal_n(budget)),
             n_opt_interval=intervals.n_opt,
             exponents=intervals.exponents,
             heldout_mean_rel_error=heldout["kaplan"],
