@@ -5,9 +5,11 @@ model (a run offset shared by a run's horizons plus noise per point), by default
 those fitted to a sweep's results table (`--results`). Each simulated sweep is fitted as `lmforge fit` fits
 (`calibrated_fit`) and its intervals are checked: α, β, N* at the target budget, and the rung's loss at the fitted
 optimum (the law's value, for the confidence interval; a new run's loss, for the prediction interval). Goal:
-93-97% coverage for the default method. Also: Approach 2's and Approach 3's N* error on noise-free data.
+93-97% coverage for the default method. Also: Approach 2's and Approach 3's N* error on noise-free data. With
+`--form kaplan` the same for Kaplan's form (`evaluation/kaplan_fit.py`), its law and noise fitted to `--results`.
 
     .venv/bin/python benchmarks/scaling_calibration.py [--sweeps 200] [--results outputs/sweep/.../results.parquet]
+        [--form kaplan]
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import numpy as np
 
 from evaluation.chinchilla_fit import Law
 from evaluation.isoflop import fit_parabolas
+from evaluation.kaplan_fit import fit_kaplan, kaplan_noise
 from evaluation.law_noise import NoiseModel, calibrated_fit
-from evaluation.synthetic_ladder import Design, run_trial, simulate
+from evaluation.synthetic_ladder import Design, run_kaplan_trial, run_trial, simulate
 from flows.recipe import load_recipe
 from flows.scaling import target_budget
 from training.stages.sweep import plan_trials
@@ -48,7 +51,50 @@ def design_of(recipe_name: str, overrides: list[str]) -> tuple[Design, float]:
 def _chunk(args: tuple) -> list[dict]:
     truth, design, noise, budget, method, seed, count, resamples = args
     rng = np.random.default_rng(seed)
+    if method == "kaplan":
+        return [asdict(run_kaplan_trial(truth, design, noise, budget, rng, resamples)) for _ in range(count)]
     return [asdict(run_trial(truth, design, noise, budget, method, rng, resamples)) for _ in range(count)]
+
+
+def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: float) -> None:
+    """Kaplan's form (`--form kaplan`): the law and noise fitted to `--results` as the truth, its own bootstrap's
+    intervals checked (the exponents α_N and α_D, N*, the rung's loss) on `--sweeps` simulated sweeps."""
+    from flows.scaling import sweep_points
+
+    points = sweep_points(args.results)
+    truth = fit_kaplan(points)
+    fitted = kaplan_noise(points, truth)
+    noise = NoiseModel(fitted.run_sd, fitted.point_sd)
+    per_worker = -(-args.sweeps // args.workers)
+    jobs = [
+        (truth, design, noise, budget, "kaplan", 1000 * w + 1, per_worker, args.resamples)
+        for w in range(args.workers)
+    ]
+    with ProcessPoolExecutor(args.workers) as pool:
+        trials = [t for chunk in pool.map(_chunk, jobs) for t in chunk][: args.sweeps]
+    keys = list(trials[0]["covered"])
+    print(
+        json.dumps(
+            {
+                "benchmark": "scaling_calibration",
+                "form": "kaplan",
+                "recipe": args.recipe,
+                "points": len(design.n),
+                "truth": {k: float(f"{v:.4g}") for k, v in truth.as_dict().items()},
+                "noise": {"run_sd": round(noise.run_sd, 4), "point_sd": round(noise.point_sd, 4)},
+                "sweeps": len(trials),
+                "coverage": {k: round(float(np.mean([t["covered"][k] for t in trials])), 3) for k in keys},
+                "goal": [0.93, 0.97],
+                "median_width": {
+                    k: round(float(np.nanmedian([t["width"][k] for t in trials])), 4) for k in keys
+                },
+                "n_opt_error_median_abs": round(
+                    float(np.median(np.abs([t["n_opt_error"] for t in trials]))), 4
+                ),
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -62,9 +108,16 @@ def main() -> None:
     parser.add_argument("--resamples", type=int, default=500)
     parser.add_argument("--methods", nargs="+", default=["noise", "runs", "points"])
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--form", choices=["chinchilla", "kaplan"], default="chinchilla", help="kaplan: needs --results"
+    )
     args = parser.parse_args()
     t0 = time.perf_counter()
     design, budget = design_of(args.recipe, args.set)
+    if args.form == "kaplan":
+        if not args.results:
+            parser.error("--form kaplan takes its truth from a sweep: give --results <results.parquet>")
+        return kaplan_main(args, design, budget, t0)
     truth, noise = DEMO_LAW, DEMO_NOISE
     if args.results:
         from flows.scaling import sweep_points

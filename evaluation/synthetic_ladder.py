@@ -13,7 +13,9 @@ import numpy as np
 
 from evaluation.chinchilla_fit import Law
 from evaluation.isoflop import fit_parabolas
+from evaluation.kaplan_fit import KaplanLaw, fit_kaplan, kaplan_intervals
 from evaluation.law_noise import IntervalMethod, NoiseModel, calibrated_fit, prediction_interval
+from evaluation.loss_curve import PointLaw
 from evaluation.scaling_data import ScalingDataError, ScalingPoints
 from evaluation.scaling_report import compute_optimal, intervals_at
 
@@ -31,7 +33,7 @@ class Design:
         return ScalingPoints(self.n, self.d, loss, c, self.n.copy(), source="synthetic", run=self.run)
 
 
-def simulate(law: Law, design: Design, noise: NoiseModel, rng: np.random.Generator) -> ScalingPoints:
+def simulate(law: PointLaw, design: Design, noise: NoiseModel, rng: np.random.Generator) -> ScalingPoints:
     """One sweep: the law at every point with a run offset shared by the run's points and noise per point."""
     exact = design.points(law.loss(design.n, design.d))
     return replace(exact, loss=exact.loss * np.exp(noise.draw(rng, exact.runs, 1)[0]))
@@ -101,3 +103,34 @@ def run_trial(
     except ScalingDataError:
         a2 = None
     return Trial(covered, width, n_rung / n_true - 1, a2)
+
+
+def run_kaplan_trial(
+    truth: KaplanLaw,
+    design: Design,
+    noise: NoiseModel,
+    budget: float,
+    rng: np.random.Generator,
+    n_resamples: int = 500,
+) -> Trial:
+    """`run_trial` for Kaplan's form: simulate a sweep from a Kaplan law, fit it as lmforge does (`fit_kaplan`,
+    `kaplan_intervals`) and check its exponents, N*(budget) and the rung's loss at the fitted optimum."""
+    points = simulate(truth, design, noise, rng)
+    law = fit_kaplan(points)
+    n_true = float(truth.optimal_n(budget))
+    n_rung = float(law.optimal_n(budget))
+    d_rung = budget / (6.0 * n_rung)
+    got = kaplan_intervals(points, law, n_rung, d_rung, budget, n_resamples, seed=int(rng.integers(2**31)))
+    law_loss = float(truth.loss(n_rung, d_rung))
+    run_loss = law_loss * float(np.exp(noise.draw(rng, np.zeros(1, int), 1)[0, 0]))
+    bounds = {**got.exponents, "n_opt": got.n_opt, "rung_law": got.loss, "rung_run": got.run}
+    values = {**{k: getattr(truth, k) for k in got.exponents}, "n_opt": n_true, "rung_law": law_loss}
+    values["rung_run"] = run_loss
+    covered = {k: bool(lo <= values[k] <= hi) for k, (lo, hi) in bounds.items()}
+    width = {k: hi - lo for k, (lo, hi) in got.exponents.items()}
+    width |= {
+        "n_opt": got.n_opt[1] / got.n_opt[0],
+        "rung_law": (got.loss[1] - got.loss[0]) / law_loss,
+        "rung_run": (got.run[1] - got.run[0]) / law_loss,
+    }
+    return Trial(covered, width, n_rung / n_true - 1, None)
