@@ -60,8 +60,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 # 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned; 5: Kaplan's form beside;
-# 6: the curve anchored to the point law at every evaluation; 7: Kaplan's intervals; 8: the form chosen
-FIT_VERSION = 8
+# 6: the curve anchored to the point law at every evaluation; 7: Kaplan's intervals; 8: the form chosen; 9: Kaplan's
+# resamples refitted from several starts
+FIT_VERSION = 9
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
