@@ -408,7 +408,7 @@ class SweepConfig(BaseModel):
     target_budget: PositiveFloat | None = None  # the fit's compute-optimal size is chosen for this budget
     rung_multiple: PositiveFloat = 3.0  # without target_budget: the rung's budget over the largest swept one
     # the law form that sizes the rung and predicts it: auto, the one closer on the held-out budget
-    # (evaluation/law_form.py); on the demo Chinchilla's predicted the rung 4.7% high, Kaplan's 1.2% low
+    # (evaluation/law_form.py); on the demo's d3w48 rung Chinchilla's predicted 4.7% high, Kaplan's 1.2% high
     law_form: Literal["auto", "chinchilla", "kaplan"] = "auto"
     probe: Literal["humaneval"] | None = None  # a downstream task loss measured at every point
     curve_points: PositiveInt = 8  # validation losses along each run and the rung: the loss-curve law's data
