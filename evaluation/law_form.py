@@ -2,9 +2,8 @@
 
 Both are fitted to every sweep. With `sweep.law_form: auto` the one with the smaller mean error on the held-out
 budget wins: each form fitted without the sweep's largest budget and scored predicting it, the same extrapolation
-in compute the rung asks of it. On the demo's sweeps the two forms' intervals at the rung did not overlap (the
-form bounded the prediction more than the noise), and the held-out budget chose the form that then predicted the
-rung and seven shapes at its budget better (README, "Which form").
+in compute the rung asks of it. On the demo's sweeps it chose Kaplan's, which then predicted the rung and seven
+shapes trained at its budget better (README, "Which form sizes the rung").
 """
 
 from __future__ import annotations
