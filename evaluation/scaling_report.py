@@ -167,9 +167,8 @@ class ScalingFit(Artifact):
     contamination: dict[str, Any] | None = None
     rung: Prediction | None = None  # the model trained at the target budget: predicted, then measured
     curve_law: dict[str, Any] | None = None  # the loss-curve law fitted on the sweep's validation curves
-    choice: FormChoice | None = (
-        None  # the law form that sized the rung (None: Chinchilla's, fits before 2026-12-05)
-    )
+    # the law form that sized the rung (None: Chinchilla's, in fits from before 2026-12-05)
+    choice: FormChoice | None = None
 
     @property
     def sizing_n_opt(self) -> float:
@@ -461,12 +460,7 @@ def headline(fit: ScalingFit) -> str:
     lines.append(
         f"N counts {fit.param_count} parameters (matmul: every matrix multiply per token, head included)"
     )
-    if fit.choice is not None:
-        c = fit.choice
-        lines.append(
-            f"Law form: {c.form.capitalize()}'s sizes the rung and predicts it ({c.reason}); its N*={c.n_opt:.4g} "
-            f"(95% {c.n_opt_interval[0]:.3g}–{c.n_opt_interval[1]:.3g})"
-        )
+    lines += choice_lines(fit)
     lines += rung_lines(fit.rung)
     lines += goal_lines(fit)
     if fit.contamination:
@@ -476,6 +470,17 @@ def headline(fit: ScalingFit) -> str:
             f"canonical solutions occur verbatim in the training shards {c['found'] or ''}"
         )
     return "\n".join(lines)
+
+
+def choice_lines(fit: ScalingFit) -> list[str]:
+    """Which law form sized the rung, why, and its N* (nothing for fits from before the choice)."""
+    c = fit.choice
+    if c is None:
+        return []
+    return [
+        f"Law form: {c.form.capitalize()}'s sizes the rung and predicts it ({c.reason}); its N*={c.n_opt:.4g} "
+        f"(95% {c.n_opt_interval[0]:.3g}–{c.n_opt_interval[1]:.3g})"
+    ]
 
 
 def precision_goals(fit: ScalingFit) -> list[tuple[str, str, bool]]:

@@ -136,9 +136,9 @@ def rung_outputs(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> dict[str, s
 
 
 def rung_report(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> str:
-    from evaluation.scaling_report import goal_lines, rung_lines
+    from evaluation.scaling_report import choice_lines, goal_lines, rung_lines
 
-    lines = rung_lines(law.rung) + goal_lines(law)
+    lines = choice_lines(law) + rung_lines(law.rung) + goal_lines(law)
     return "The rung (the model trained at the fitted size):\n" + "\n".join(lines)
 
 
