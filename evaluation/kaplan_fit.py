@@ -24,6 +24,7 @@ from evaluation.scaling_data import ScalingPoints
 ROBUST_SCALE = 0.02
 N_STARTS = 60
 START = np.array([math.log(1e4), math.log(1e6), 0.7, 0.5, 0.5])  # log N_c, log D_c, α_N, α_D, log E
+LOG_LIMIT = 700.0  # |log| of N_c, D_c and E: e^700 is a float, e^710 is not
 EXPONENTS = ("alpha_n", "alpha_d")  # the size's and the data's, as Chinchilla's alpha and beta
 
 
@@ -39,8 +40,11 @@ class KaplanLaw:
 
     @classmethod
     def from_theta(cls, theta: np.ndarray) -> KaplanLaw:
+        """The law of a parameter vector, its logs held to ±700 so that N_c, D_c and E stay positive finite floats
+        (a fit driving E to 0 passed e^-745, and a law with E = 0.0 has no log: `theta` raised)."""
         log_nc, log_dc, alpha_n, alpha_d, log_e = (float(x) for x in theta)
-        return cls(math.exp(log_nc), math.exp(log_dc), alpha_n, alpha_d, math.exp(log_e))
+        nc, dc, e = (math.exp(min(max(x, -LOG_LIMIT), LOG_LIMIT)) for x in (log_nc, log_dc, log_e))
+        return cls(nc, dc, alpha_n, alpha_d, e)
 
     def loss(self, n: np.ndarray | float, d: np.ndarray | float) -> np.ndarray:
         return np.exp(_log_loss(self.theta(), np.asarray(n, dtype=float), np.asarray(d, dtype=float)))

@@ -68,6 +68,14 @@ def test_a_runaway_laws_optimum_is_infinite_not_an_exception():
     assert got.n + got.n_failed == 40 and np.isfinite(got.n_opt).all()
 
 
+def test_a_law_whose_floor_underflows_keeps_a_loss_and_a_log():
+    """The e2e pipeline's tiny sweep, held out a run at a time for the curve's band, refitted E past e^-745: 0.0,
+    whose log raised ("math domain error") and failed the pipeline."""
+    law = KaplanLaw.from_theta(np.array([np.log(3e4), np.log(2e6), 0.25, 0.3, -800.0]))
+    assert law.E > 0 and np.isfinite(law.theta()).all()
+    assert np.isfinite(law.loss(1e5, 1e7)) and np.isfinite(float(KaplanLaw.from_theta(np.full(5, 900.0)).n_c))
+
+
 def test_the_laws_derivatives_are_its_slopes():
     from evaluation.kaplan_fit import _log_jacobian, _log_loss
 
