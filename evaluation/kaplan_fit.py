@@ -41,7 +41,7 @@ class KaplanLaw:
     @classmethod
     def from_theta(cls, theta: np.ndarray) -> KaplanLaw:
         """The law of a parameter vector, its logs held to ±700 so that N_c, D_c and E stay positive finite floats
-        (a fit driving E to 0 passed e^-745, and a law with E = 0.0 has no log: `theta` raised)."""
+        (a bootstrap refit driving E to 0 passed e^-745, and a law with E = 0.0 has no log: its `loss` raised)."""
         log_nc, log_dc, alpha_n, alpha_d, log_e = (float(x) for x in theta)
         nc, dc, e = (math.exp(min(max(x, -LOG_LIMIT), LOG_LIMIT)) for x in (log_nc, log_dc, log_e))
         return cls(nc, dc, alpha_n, alpha_d, e)

@@ -69,8 +69,8 @@ def test_a_runaway_laws_optimum_is_infinite_not_an_exception():
 
 
 def test_a_law_whose_floor_underflows_keeps_a_loss_and_a_log():
-    """The e2e pipeline's tiny sweep, held out a run at a time for the curve's band, refitted E past e^-745: 0.0,
-    whose log raised ("math domain error") and failed the pipeline."""
+    """A bootstrap resample of the e2e pipeline's tiny sweep (500 of them at its rung) refitted E past e^-745: 0.0,
+    whose log raised ("math domain error") in the resample's `loss` and failed the pipeline."""
     law = KaplanLaw.from_theta(np.array([np.log(3e4), np.log(2e6), 0.25, 0.3, -800.0]))
     assert law.E > 0 and np.isfinite(law.theta()).all()
     assert np.isfinite(law.loss(1e5, 1e7)) and np.isfinite(float(KaplanLaw.from_theta(np.full(5, 900.0)).n_c))
