@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import numpy as np
-from scipy.optimize import least_squares
+from scipy.optimize import OptimizeResult, least_squares
 
 from evaluation.law_noise import NoiseModel, residual_noise
 from evaluation.scaling_data import ScalingPoints
@@ -96,7 +95,7 @@ def _log_jacobian(theta: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray
         )
 
 
-def _solve(points: ScalingPoints, y: np.ndarray, start: np.ndarray, max_nfev: int) -> Any:
+def _solve(points: ScalingPoints, y: np.ndarray, start: np.ndarray, max_nfev: int) -> OptimizeResult | None:
     """One robust least-squares fit of the log law to log losses `y` from `start` (scipy's result), None when it
     runs off (a loss or derivative that is not finite)."""
     try:
