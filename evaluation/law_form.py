@@ -36,12 +36,9 @@ def choose_form(setting: LawForm, heldout: dict[str, float | None]) -> tuple[str
     if setting != "auto":
         return setting, f"set by sweep.law_form={setting}"
     if any(heldout.get(f) is None for f in FORMS):
-        return (
-            "chinchilla",
-            "no held-out error for both forms to choose by (sweep.law_form=auto): the default",
-        )
+        return "chinchilla", "sweep.law_form=auto, but not both forms have a held-out error: the default"
     form, other = sorted(FORMS, key=lambda f: heldout[f])
     return form, (
-        f"the smaller mean error on the held-out budget: {heldout[form]:.2%} against "
-        f"{other.capitalize()}'s {heldout[other]:.2%} (sweep.law_form=auto)"
+        f"sweep.law_form=auto: the smaller mean error on the held-out budget, {heldout[form]:.2%} against "
+        f"{other.capitalize()}'s {heldout[other]:.2%}"
     )
