@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from evaluation.chinchilla_fit import Law
 from evaluation.isoflop import fit_parabolas
-from evaluation.kaplan_fit import fit_kaplan, kaplan_noise
+from evaluation.kaplan_fit import KaplanLaw, fit_kaplan, kaplan_noise
 from evaluation.law_noise import NoiseModel, calibrated_fit
 from evaluation.synthetic_ladder import Design, run_kaplan_trial, run_trial, simulate
 from flows.recipe import load_recipe
@@ -56,6 +57,31 @@ def _chunk(args: tuple) -> list[dict]:
     return [asdict(run_trial(truth, design, noise, budget, method, rng, resamples)) for _ in range(count)]
 
 
+def simulated(
+    pool: ProcessPoolExecutor,
+    args: argparse.Namespace,
+    truth: Law | KaplanLaw,
+    design: Design,
+    noise: NoiseModel,
+    budget: float,
+    method: str,
+) -> list[dict]:
+    """`--sweeps` trials of `method` (an interval method, or `kaplan`), spread over the workers, each its own seed."""
+    per_worker = -(-args.sweeps // args.workers)
+    jobs = [
+        (truth, design, noise, budget, method, 1000 * w + 1, per_worker, args.resamples)
+        for w in range(args.workers)
+    ]
+    return [t for chunk in pool.map(_chunk, jobs) for t in chunk][: args.sweeps]
+
+
+def summary(trials: list[dict], keys: Sequence[str]) -> tuple[dict[str, float], dict[str, float]]:
+    """How often each quantity's interval held the truth over the trials, and its median width."""
+    coverage = {k: round(float(np.mean([t["covered"][k] for t in trials])), 3) for k in keys}
+    width = {k: round(float(np.nanmedian([t["width"][k] for t in trials])), 4) for k in keys}
+    return coverage, width
+
+
 def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: float) -> None:
     """Kaplan's form (`--form kaplan`): the law and noise fitted to `--results` as the truth, its own bootstrap's
     intervals checked (the exponents α_N and α_D, N*, the rung's loss) on `--sweeps` simulated sweeps."""
@@ -65,14 +91,9 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
     truth = fit_kaplan(points)
     fitted = kaplan_noise(points, truth)
     noise = NoiseModel(fitted.run_sd, fitted.point_sd)
-    per_worker = -(-args.sweeps // args.workers)
-    jobs = [
-        (truth, design, noise, budget, "kaplan", 1000 * w + 1, per_worker, args.resamples)
-        for w in range(args.workers)
-    ]
     with ProcessPoolExecutor(args.workers) as pool:
-        trials = [t for chunk in pool.map(_chunk, jobs) for t in chunk][: args.sweeps]
-    keys = list(trials[0]["covered"])
+        trials = simulated(pool, args, truth, design, noise, budget, "kaplan")
+    coverage, width = summary(trials, list(trials[0]["covered"]))
     print(
         json.dumps(
             {
@@ -83,11 +104,9 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
                 "truth": {k: float(f"{v:.4g}") for k, v in truth.as_dict().items()},
                 "noise": {"run_sd": round(noise.run_sd, 4), "point_sd": round(noise.point_sd, 4)},
                 "sweeps": len(trials),
-                "coverage": {k: round(float(np.mean([t["covered"][k] for t in trials])), 3) for k in keys},
+                "coverage": coverage,
                 "goal": [0.93, 0.97],
-                "median_width": {
-                    k: round(float(np.nanmedian([t["width"][k] for t in trials])), 4) for k in keys
-                },
+                "median_width": width,
                 "n_opt_error_median_abs": round(
                     float(np.median(np.abs([t["n_opt_error"] for t in trials]))), 4
                 ),
@@ -125,29 +144,10 @@ def main() -> None:
         fitted = calibrated_fit(sweep_points(args.results), n_resamples=10)
         truth, noise = fitted.fit.law, NoiseModel(fitted.noise.run_sd, fitted.noise.point_sd)
     coverage, width, failed = {}, {}, {}
-    per_worker = -(-args.sweeps // args.workers)
     with ProcessPoolExecutor(args.workers) as pool:
         for method in args.methods:
-            jobs = [
-                (
-                    truth,
-                    design,
-                    noise,
-                    budget,
-                    method,
-                    1000 * w + 1,
-                    per_worker,
-                    args.resamples,
-                )
-                for w in range(args.workers)
-            ]
-            trials = [t for chunk in pool.map(_chunk, jobs) for t in chunk][: args.sweeps]
-            coverage[method] = {
-                q: round(float(np.mean([t["covered"][q] for t in trials])), 3) for q in QUANTITIES
-            }
-            width[method] = {
-                q: round(float(np.nanmedian([t["width"][q] for t in trials])), 4) for q in QUANTITIES
-            }
+            trials = simulated(pool, args, truth, design, noise, budget, method)
+            coverage[method], width[method] = summary(trials, QUANTITIES)
             # a sweep whose every refit ran off has no interval: it counts as a miss
             failed[method] = sum(not np.isfinite(t["width"]["alpha"]) for t in trials)
             if method == args.methods[0]:

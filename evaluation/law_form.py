@@ -8,12 +8,11 @@ shapes trained at its budget better (README, "Which form sizes the rung").
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel
 
+from training.config import LawForm
+
 FORMS = ("chinchilla", "kaplan")
-LawForm = Literal["auto", "chinchilla", "kaplan"]
 
 
 class FormChoice(BaseModel):

@@ -89,14 +89,7 @@ def run_trial(
         "rung_law": law_loss,
         "rung_run": run_loss,
     }
-    covered = {k: bool(lo <= values[k] <= hi) for k, (lo, hi) in bounds.items()}
-    width = {
-        "alpha": bounds["alpha"][1] - bounds["alpha"][0],
-        "beta": bounds["beta"][1] - bounds["beta"][0],
-        "n_opt": bounds["n_opt"][1] / bounds["n_opt"][0],
-        "rung_law": (hi_c - lo_c) / law_loss,
-        "rung_run": (hi_p - lo_p) / law_loss,
-    }
+    covered, width = scored(bounds, values, law_loss)
     try:
         iso = fit_parabolas(points)
         a2 = float(iso.n_opt(budget)) / n_true - 1 if iso.n_opt and not iso.skipped else None
@@ -126,11 +119,17 @@ def run_kaplan_trial(
     bounds = {**got.exponents, "n_opt": got.n_opt, "rung_law": got.loss, "rung_run": got.run}
     values = {**{k: getattr(truth, k) for k in got.exponents}, "n_opt": n_true, "rung_law": law_loss}
     values["rung_run"] = run_loss
+    return Trial(*scored(bounds, values, law_loss), n_rung / n_true - 1, None)
+
+
+def scored(
+    bounds: dict[str, tuple[float, float]], values: dict[str, float], law_loss: float
+) -> tuple[dict[str, bool], dict[str, float]]:
+    """Whether each 95% interval holds its true value, and its width: high / low for N*, relative to the law's
+    loss at the rung for the rung's losses (`rung_law`, `rung_run`), high − low for an exponent."""
     covered = {k: bool(lo <= values[k] <= hi) for k, (lo, hi) in bounds.items()}
-    width = {k: hi - lo for k, (lo, hi) in got.exponents.items()}
-    width |= {
-        "n_opt": got.n_opt[1] / got.n_opt[0],
-        "rung_law": (got.loss[1] - got.loss[0]) / law_loss,
-        "rung_run": (got.run[1] - got.run[0]) / law_loss,
+    width = {
+        k: hi / lo if k == "n_opt" else (hi - lo) / law_loss if k.startswith("rung_") else hi - lo
+        for k, (lo, hi) in bounds.items()
     }
-    return Trial(covered, width, n_rung / n_true - 1, None)
+    return covered, width

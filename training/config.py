@@ -358,6 +358,10 @@ class SweepSize(BaseModel):
     width: PositiveInt | None = None
 
 
+# which scaling-law form sizes the rung (evaluation/law_form.py)
+LawForm = Literal["auto", "chinchilla", "kaplan"]
+
+
 class SweepConfig(BaseModel):
     """A scaling sweep: for each compute budget C and model size, D = C / (6·N) tokens.
 
@@ -409,7 +413,7 @@ class SweepConfig(BaseModel):
     rung_multiple: PositiveFloat = 3.0  # without target_budget: the rung's budget over the largest swept one
     # the law form that sizes the rung and predicts it: auto, the one closer on the held-out budget
     # (evaluation/law_form.py); on the demo's d3w48 rung Chinchilla's predicted 4.7% high, Kaplan's 1.2% high
-    law_form: Literal["auto", "chinchilla", "kaplan"] = "auto"
+    law_form: LawForm = "auto"
     probe: Literal["humaneval"] | None = None  # a downstream task loss measured at every point
     curve_points: PositiveInt = 8  # validation losses along each run and the rung: the loss-curve law's data
 
