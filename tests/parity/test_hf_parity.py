@@ -30,12 +30,18 @@ TINY_CONFIGS = {
     ),
     "mixtral": TINY.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=48)}),
     "mixtral-top1": TINY.model_copy(update={"moe": MoEConfig(n_experts=3, top_k=1, d_ff_expert=40)}),
-    # μP's logit and attention multipliers fold into the exported weights
+    # μP's logit and attention multipliers and CompleteP's residual multiplier fold into the exported weights
     "llama-mup-tied": TINY.model_copy(
-        update={"tie_embeddings": True, "mup": MuPConfig(base_width=16, output_mult=2.0, attn_mult=3.0)}
+        update={
+            "tie_embeddings": True,
+            "mup": MuPConfig(base_width=16, output_mult=2.0, attn_mult=3.0, base_depth=3),
+        }
     ),
     "mixtral-mup": TINY.model_copy(
-        update={"moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=48), "mup": MuPConfig(base_width=32)}
+        update={
+            "moe": MoEConfig(n_experts=4, top_k=2, d_ff_expert=48),
+            "mup": MuPConfig(base_width=32, base_depth=1),
+        }
     ),
 }
 
@@ -132,7 +138,7 @@ def test_mup_lora_adapter_loads_on_the_folded_export(tmp_path: Path) -> None:
     from peft import PeftModel
 
     from training.config import LoraSettings
-    from training.model.hf_interop import query_fold
+    from training.model.hf_interop import weight_folds
     from training.model.lora import apply_lora, save_adapter
 
     cfg = TINY_CONFIGS["llama-mup-tied"]
@@ -142,7 +148,7 @@ def test_mup_lora_adapter_loads_on_the_folded_export(tmp_path: Path) -> None:
         for name, param in tuned.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
-    save_adapter(tuned, tmp_path / "adapter", None, query_fold(cfg))
+    save_adapter(tuned, tmp_path / "adapter", None, weight_folds(cfg))
     loaded = PeftModel.from_pretrained(theirs, str(tmp_path / "adapter")).eval()
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

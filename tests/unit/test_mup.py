@@ -93,3 +93,67 @@ def test_mup_learning_rates_by_group() -> None:
     hidden = {id(p) for p in optimizer.param_groups[0]["params"]}
     names = {n for n, p in model.named_parameters() if id(p) in hidden}
     assert names == {n for n, p in model.named_parameters() if n.startswith("model.layers.") and p.ndim == 2}
+
+
+DEPTHS = (1, 2, 4, 8, 16)
+
+
+def stream_movement(depth: int, base_depth: int | None, steps: int = 4, lr: float = 1e-2) -> float:
+    """RMS change of the residual stream after the last block, after `steps` AdamW steps on a fixed batch."""
+    cfg = ModelConfig(
+        vocab_size=128,
+        d_model=32,
+        n_layers=depth,
+        n_heads=2,
+        n_kv_heads=2,
+        d_ff=80,
+        max_seq_len=64,
+        mup=MuPConfig(base_width=32, base_depth=base_depth),
+    )
+    model = Transformer(cfg, seed=0)
+    optimizer = torch.optim.AdamW(param_groups(model, OptimConfig(weight_decay=0.0), cfg.hidden_lr_mult()))
+    tokens = torch.randint(0, cfg.vocab_size, (8, 33), generator=torch.Generator().manual_seed(1))
+
+    def stream() -> torch.Tensor:
+        out: list[torch.Tensor] = []
+        hook = model.model.layers[-1].register_forward_hook(lambda _m, _i, o: out.append(o[0].detach()))
+        model(tokens[:, :-1])
+        hook.remove()
+        return out[0]
+
+    before = stream()
+    for _ in range(steps):
+        set_lr(optimizer, lr)
+        model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return float((stream() - before).pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize(("base_depth", "flat"), [(2, True), (None, False)])
+def test_depth_coordinate_check(base_depth: int | None, flat: bool) -> None:
+    """CompleteP (`mup.base_depth`): the residual stream moves as far at 16 layers as at 1 after the same steps at
+    one learning rate (the slope of log movement against log depth near 0); with the GPT-2 init alone it moves
+    more the deeper the model (measured slope 0.65: 7x from 1 to 16 layers)."""
+    moved = [stream_movement(d, base_depth) for d in DEPTHS]
+    slope = float(np.polyfit(np.log(DEPTHS), np.log(moved), 1)[0])
+    assert (abs(slope) < 0.15) if flat else (slope > 0.4), (slope, moved)
+
+
+def test_complete_p_is_the_model_itself_at_its_base_depth() -> None:
+    """At n_layers = base_depth CompleteP changes nothing: same weights, same logits."""
+    base = ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=3,
+        n_heads=2,
+        n_kv_heads=2,
+        d_ff=96,
+        max_seq_len=32,
+        mup=MuPConfig(base_width=32),
+    )
+    deep = base.model_copy(update={"mup": MuPConfig(base_width=32, base_depth=3)})
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    a, b = Transformer(base, seed=2), Transformer(deep, seed=2)
+    assert deep.residual_mult == 1.0
+    torch.testing.assert_close(a(tokens).logits, b(tokens).logits, rtol=0, atol=0)

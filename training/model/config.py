@@ -57,6 +57,10 @@ class MuPConfig(BaseModel):
     base_width: PositiveInt = 64
     output_mult: PositiveFloat = 1.0
     attn_mult: PositiveFloat = 1.0
+    # CompleteP (Dey et al. 2025, depth-μP with α = 1): each block's attention and feed-forward outputs are multiplied
+    # by base_depth / n_layers and the residual projections start at the base depth's scale, so a learning rate
+    # tuned at `base_depth` layers transfers to other depths; None: the GPT-2 init's 1/sqrt(2·n_layers) alone
+    base_depth: PositiveInt | None = None
 
 
 class ModelConfig(BaseModel):
@@ -167,6 +171,17 @@ class ModelConfig(BaseModel):
     def output_mult(self) -> float:
         """Multiplier of the logits: 1, or μP's output_mult/m."""
         return self.mup.output_mult / self.width_mult if self.mup else 1.0
+
+    @property
+    def residual_mult(self) -> float:
+        """Multiplier of every residual branch's output: 1, or CompleteP's base_depth / n_layers."""
+        return self.mup.base_depth / self.n_layers if self.mup and self.mup.base_depth else 1.0
+
+    @property
+    def init_depth(self) -> int:
+        """The depth whose GPT-2 scale 1/sqrt(2·depth) the residual projections start at: CompleteP's base depth,
+        else the model's."""
+        return self.mup.base_depth if self.mup and self.mup.base_depth else self.n_layers
 
     def hidden_lr_mult(self) -> float:
         """Learning-rate multiplier of the hidden matrices (those inside the blocks): 1, or μP's 1/m."""

@@ -93,15 +93,23 @@ def query_fold(cfg: ModelConfig) -> float:
     return cfg.attn_scale * math.sqrt(cfg.head_dim)
 
 
+def weight_folds(cfg: ModelConfig) -> dict[str, float]:
+    """The factor folded into each projection's weight at export (those ≠ 1), by the projection's name in a block:
+    μP's attention scale into q_proj (RoPE is linear in q), CompleteP's residual multiplier into the projections
+    that end each branch (o_proj, and down_proj or the experts' stacked down projections)."""
+    folds = {"self_attn.q_proj": query_fold(cfg)}
+    folds |= dict.fromkeys(("self_attn.o_proj", "mlp.down_proj", "mlp.experts.down_proj"), cfg.residual_mult)
+    return {name: factor for name, factor in folds.items() if factor != 1.0}
+
+
 def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Our state dict in Hugging Face keys (the identity, see the module docstring) with μP's multipliers folded
-    into the weights: the attention scale into q_proj (RoPE is linear in q), the logit multiplier into the final
-    norm's gain (so a tied embedding stays shared)."""
+    """Our state dict in Hugging Face keys (the identity, see the module docstring) with μP's and CompleteP's
+    multipliers folded into the weights (`weight_folds`), the logit multiplier into the final norm's gain (so a
+    tied embedding stays shared)."""
     out = dict(state_dict)
-    q = query_fold(cfg)
-    if q != 1.0:
-        for key in [k for k in out if k.endswith("self_attn.q_proj.weight")]:
-            out[key] = out[key] * q
+    for name, factor in weight_folds(cfg).items():
+        for key in [k for k in out if k.endswith((f".{name}.weight", f".{name}"))]:
+            out[key] = out[key] * factor
     if cfg.output_mult != 1.0:
         out["model.norm.weight"] = out["model.norm.weight"] * cfg.output_mult
     return out

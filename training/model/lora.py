@@ -77,21 +77,29 @@ def trainable_counts(model: nn.Module) -> tuple[int, int]:
     return trainable, sum(p.numel() for p in model.parameters())
 
 
-def save_adapter(peft_model: nn.Module, out: Path, base_export: str | None, q_fold: float = 1.0) -> None:
-    """PEFT's adapter directory, pointing at the base's Hugging Face export; `q_fold` (μP's attention scale,
-    folded into the export's q_proj) scales the q_proj adapters' B the same way."""
+def save_adapter(
+    peft_model: nn.Module, out: Path, base_export: str | None, folds: dict[str, float] | None = None
+) -> None:
+    """PEFT's adapter directory, pointing at the base's Hugging Face export; `folds` (the factors the export folded
+    into projections, `hf_interop.weight_folds`: μP's attention scale, CompleteP's residual multiplier) scale
+    those projections' adapters' B the same way."""
     peft_model.save_pretrained(str(out))
-    if q_fold != 1.0:
+    if folds:
         from safetensors.torch import load_file, save_file
 
         path = out / "adapter_model.safetensors"
         weights = load_file(str(path))
-        save_file({k: v * q_fold if "q_proj.lora_B" in k else v for k, v in weights.items()}, str(path))
+        save_file({k: v * _fold(k, folds) for k, v in weights.items()}, str(path))
     if base_export is not None:
         config_path = out / "adapter_config.json"
         config = json.loads(config_path.read_text())
         config["base_model_name_or_path"] = base_export
         config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _fold(key: str, folds: dict[str, float]) -> float:
+    """The factor of an adapter tensor: its projection's fold for a B matrix, else 1."""
+    return next((f for name, f in folds.items() if f".{name}.lora_B" in key), 1.0)
 
 
 def merged_state_dict(peft_model: nn.Module) -> dict[str, Tensor]:

@@ -214,6 +214,7 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.residual_mult = cfg.residual_mult
         self.mlp: nn.Module
         if cfg.moe is not None and cfg.moe.is_moe_layer(layer):
             self.mlp = MoE(cfg.d_model, cfg.moe)
@@ -223,11 +224,15 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Cache | None = None
     ) -> tuple[Tensor, RouterStats | None]:
-        h = x + self.self_attn(self.input_layernorm(x), rope, cache)
+        h = x + self.branch(self.self_attn(self.input_layernorm(x), rope, cache))
         if isinstance(self.mlp, FeedForward):
-            return h + self.mlp(self.post_attention_layernorm(h)), None
+            return h + self.branch(self.mlp(self.post_attention_layernorm(h))), None
         y, stats = self.mlp(self.post_attention_layernorm(h))  # MoE, or its expert-parallel stand-in
-        return h + y, stats
+        return h + self.branch(y), stats
+
+    def branch(self, y: Tensor) -> Tensor:
+        """A residual branch's output as it joins the stream (CompleteP's multiplier, when set)."""
+        return y * self.residual_mult if self.residual_mult != 1.0 else y
 
 
 class Decoder(nn.Module):
@@ -290,15 +295,16 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """N(0, init_std) everywhere, residual outputs scaled by 1/sqrt(2·n_layers) (GPT-2), norms at one; under
-        μP hidden matrices (inside the blocks) get variance init_std² / m.
+        """N(0, init_std) everywhere, residual outputs scaled by 1/sqrt(2·n_layers) (GPT-2; CompleteP: the base
+        depth's, its multiplier scaling the rest), norms at one; under μP hidden matrices (inside the blocks) get
+        variance init_std² / m.
 
         Values are drawn on the CPU in fp32 from one generator in parameter order, so the same seed gives the
         same weights on any device, dtype or number of workers.
         """
         generator = torch.Generator().manual_seed(seed)
         hidden_std = self.cfg.init_std / math.sqrt(self.cfg.width_mult)
-        residual_std = hidden_std / math.sqrt(2 * self.cfg.n_layers)
+        residual_std = hidden_std / math.sqrt(2 * self.cfg.init_depth)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)

@@ -15,7 +15,7 @@ from infra.tracking import Tracker
 from training.config import LoraSettings
 from training.model.config import ModelConfig
 from training.model.export import export_hf
-from training.model.hf_interop import load_hf_config, query_fold
+from training.model.hf_interop import load_hf_config, weight_folds
 from training.model.lora import apply_lora, merged_state_dict, save_adapter, trainable_counts
 from training.model.transformer import Transformer
 from training.stages.lifecycle import TrainedModel, TrainingJob, TrainingStage, trained_model
@@ -119,7 +119,7 @@ def export_tuned(
     if method == "lora":
         tuned.load_state_dict(state, strict=True)
         adapter_dir = job.run_dir / "adapter"
-        save_adapter(tuned, adapter_dir, base_export, query_fold(cfg))
+        save_adapter(tuned, adapter_dir, base_export, weight_folds(cfg))
         weights = merged_state_dict(tuned)
     else:
         weights = state
