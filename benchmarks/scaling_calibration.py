@@ -7,6 +7,8 @@ those fitted to a sweep's results table (`--results`). Each simulated sweep is f
 optimum (the law's value, for the confidence interval; a new run's loss, for the prediction interval). Goal:
 93-97% coverage for the default method. Also: Approach 2's and Approach 3's N* error on noise-free data. With
 `--form kaplan` the same for Kaplan's form (`evaluation/kaplan_fit.py`), its law and noise fitted to `--results`.
+With `--results`, `design_seconds` prices the design (`--recipe`, `--set`) at that sweep's measured time per run of
+each size: what a design would cost and how narrow its intervals would be, before it trains.
 
     .venv/bin/python benchmarks/scaling_calibration.py [--sweeps 200] [--results outputs/sweep/.../results.parquet]
         [--form kaplan]
@@ -22,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from evaluation.chinchilla_fit import Law
 from evaluation.isoflop import fit_parabolas
@@ -47,6 +50,24 @@ def design_of(recipe_name: str, overrides: list[str]) -> tuple[Design, float]:
     d = np.array([s * p.tokens_per_step for p in plans for s in p.steps], dtype=float)
     run = np.repeat(np.arange(len(plans)), [len(p.steps) for p in plans])
     return Design(n, d, run), target_budget(recipe)
+
+
+def design_seconds(design: Design, results: str | None) -> float | None:
+    """What the design's runs would take to train, each priced at the median wall time of the same size's runs in
+    `results` (a run's time is its steps, which the size and the budgets fix); None without a table or where it
+    lacks a size."""
+    if not results:
+        return None
+    table = pq.read_table(results, columns=["N", "wall_seconds", "status"]).to_pylist()
+    walls: dict[float, list[float]] = {}
+    for row in table:
+        if row["status"] == "completed" and row["wall_seconds"]:
+            walls.setdefault(float(row["N"]), []).append(row["wall_seconds"])
+    first = np.unique(design.run, return_index=True)[1]
+    sizes = design.n[first]
+    if any(float(n) not in walls for n in sizes):
+        return None
+    return round(sum(float(np.median(walls[float(n)])) for n in sizes), 1)
 
 
 def _chunk(args: tuple) -> list[dict]:
@@ -101,6 +122,8 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
                 "form": "kaplan",
                 "recipe": args.recipe,
                 "points": len(design.n),
+                "runs": int(design.run.max()) + 1,
+                "design_seconds": design_seconds(design, args.results),
                 "truth": {k: float(f"{v:.4g}") for k, v in truth.as_dict().items()},
                 "noise": {"run_sd": round(noise.run_sd, 4), "point_sd": round(noise.point_sd, 4)},
                 "sweeps": len(trials),
@@ -165,6 +188,7 @@ def main() -> None:
                 "recipe": args.recipe,
                 "points": len(design.n),
                 "runs": int(design.run.max()) + 1,
+                "design_seconds": design_seconds(design, args.results),
                 "truth": {k: round(v, 4) for k, v in truth.as_dict().items()},
                 "noise": {"run_sd": round(noise.run_sd, 4), "point_sd": round(noise.point_sd, 4)},
                 "sweeps": args.sweeps,
