@@ -133,17 +133,20 @@ def test_unsupported_hf_model_type(tmp_path: Path) -> None:
         load_hf_config(tmp_path)
 
 
-def test_mup_lora_adapter_loads_on_the_folded_export(tmp_path: Path) -> None:
-    """A LoRA adapter trained on a μP model gives the same logits through PEFT on the Hugging Face export."""
+@pytest.mark.parametrize(("kind", "experts"), [("llama-mup-tied", False), ("mixtral-mup", True)])
+def test_mup_lora_adapter_loads_on_the_folded_export(tmp_path: Path, kind: str, experts: bool) -> None:
+    """A LoRA adapter trained on a μP and CompleteP model (on the stacked experts too) gives the same logits through
+    PEFT on the Hugging Face export."""
     from peft import PeftModel
 
     from training.config import LoraSettings
     from training.model.hf_interop import weight_folds
     from training.model.lora import apply_lora, save_adapter
 
-    cfg = TINY_CONFIGS["llama-mup-tied"]
+    cfg = TINY_CONFIGS[kind]
     ours, theirs = paired(cfg, seed=3)
-    tuned = apply_lora(ours, LoraSettings(r=4, alpha=8))
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj") if experts else LoraSettings().target_modules
+    tuned = apply_lora(ours, LoraSettings(r=4, alpha=8, target_modules=targets, experts=experts))
     with torch.no_grad():
         for name, param in tuned.named_parameters():
             if "lora_B" in name:

@@ -99,7 +99,16 @@ def save_adapter(
 
 def _fold(key: str, folds: dict[str, float]) -> float:
     """The factor of an adapter tensor: its projection's fold for a B matrix, else 1."""
-    return next((f for name, f in folds.items() if f".{name}.lora_B" in key), 1.0)
+    return next((f for name, f in folds.items() if f".{_adapter_module(name)}.lora_B" in key), 1.0)
+
+
+def _adapter_module(name: str) -> str:
+    """Where PEFT keeps a projection's adapter: the module's own name, but for the stacked experts' parameters
+    the wrappers `target_parameters` nests in `EXPERT_PARAMETERS`' order (the last one outermost)."""
+    if name not in EXPERT_PARAMETERS:
+        return name
+    module, nesting = "mlp.experts", len(EXPERT_PARAMETERS) - 1 - EXPERT_PARAMETERS.index(name)
+    return module + ".base_layer" * nesting
 
 
 def merged_state_dict(peft_model: nn.Module) -> dict[str, Tensor]:
