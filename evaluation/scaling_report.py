@@ -78,9 +78,23 @@ class FormPrediction(BaseModel):
     exponents: dict[str, tuple[float, float]] | None = None  # 95%: alpha, beta (Chinchilla); alpha_n, alpha_d
     heldout_mean_rel_error: float | None = None
     rel_error: float | None = None
+    shape_offset: float | None = None  # the rung's shape's log offset from this form's law, in `loss`
 
     def check(self, loss: float) -> FormPrediction:
         return self.model_copy(update={"rel_error": abs(loss - self.loss) / loss})
+
+
+class RungShape(BaseModel):
+    """The rung's depth and width, and when it is a swept shape with an offset from the law
+    (`evaluation/shape_offsets.py`), that offset (log, shrunk), before shrinking, its sd and its runs: the
+    prediction is the law's times exp(offset)."""
+
+    depth: int
+    width: int
+    offset: float | None = None
+    raw: float | None = None
+    sd: float | None = None
+    runs: int | None = None
 
 
 class Prediction(BaseModel):
@@ -106,6 +120,7 @@ class Prediction(BaseModel):
     curve: CurvePrediction | None = None  # the whole validation curve (the loss-curve law's), when fitted
     form: str = "chinchilla"  # the law form that made this prediction (`evaluation/law_form.py`)
     second_form: FormPrediction | None = None  # the same rung predicted by the other form
+    shape: RungShape | None = None  # which shape, and its offset from the law where it was swept
 
     @property
     def check_interval(self) -> tuple[float, float]:
@@ -529,6 +544,13 @@ def rung_lines(rung: Prediction | None) -> list[str]:
         verdict = "held" if rung.held else "did not hold"
         line += f", measured {rung.measured_loss:.4f} (error {rung.rel_error:.2%}: the prediction {verdict})"
     lines = [line]
+    shape = rung.shape
+    if shape is not None and shape.offset is not None:
+        lines.append(
+            f"  Its shape ({shape.depth} layers, {shape.width} wide) was swept: its {shape.runs} runs sat "
+            f"{math.expm1(shape.raw):+.2%} from the law at the largest budget, {math.expm1(shape.offset):+.2%} after "
+            f"shrinking toward the other shapes (sd {shape.sd:.2%}); the prediction includes it"
+        )
     if rung.task_loss is not None:
         line = (
             f"  HumanEval bits/byte predicted {rung.task_loss:.4f} "

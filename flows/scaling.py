@@ -41,6 +41,7 @@ from evaluation.scaling_report import (
     CurvePrediction,
     FormPrediction,
     Prediction,
+    RungShape,
     ScalingFit,
     holdout_mask,
     load_samples,
@@ -48,6 +49,7 @@ from evaluation.scaling_report import (
     run_fit_scaling,
     write_fit_plots,
 )
+from evaluation.shape_offsets import ShapeOffset, Shifted, shape_offsets, widened
 from infra.steps import Step, run_step
 from infra.tracking import existing_run
 from training.config import OptimConfig
@@ -61,8 +63,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned; 5: Kaplan's form beside;
 # 6: the curve anchored to the point law at every evaluation; 7: Kaplan's intervals; 8: the form chosen; 9: Kaplan's
-# resamples refitted from several starts
-FIT_VERSION = 9
+# resamples refitted from several starts; 10: the rung's shape by its offset from the law (evaluation/shape_offsets.py)
+FIT_VERSION = 10
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
@@ -164,7 +166,9 @@ def _fit(
         curve_fit = None
     if curve_fit is not None:
         summary = curve_fit.summary()
-        curve = rung_curve(rung, curve_fit.law, anchor.law, sweep_warmup(points))
+        offset = prediction.shape.offset if prediction.shape is not None else None
+        point_law = Shifted(anchor.law, float(np.exp(offset))) if offset is not None else anchor.law
+        curve = rung_curve(rung, curve_fit.law, point_law, sweep_warmup(points))
         curve = curve.model_copy(
             update={"band": curve_fit.band, "seed_spread": summary["seed_spread_median"]}
         )
@@ -207,9 +211,12 @@ def choose_and_size(
     else:
         form, reason = choose_form(recipe.sweep.law_form, heldout)
     n_opt = float(law.optimal_n(budget)) if form == "kaplan" else fit.optimal.n_opt
-    rung, _ = size_for_budget(recipe, n_opt, budget)
+    laws: dict[str, PointLaw] = {"chinchilla": fit.to_law(), **({"kaplan": law} if law is not None else {})}
+    offsets = {f: shape_offsets(points, point_law) for f, point_law in laws.items()}
+    rung, shape = shaped_rung(recipe, laws[form], offsets[form], n_opt, budget)
     n, d = rung_size(rung)
     forms = form_predictions(points, fit, law, heldout, n, d, out, n_resamples)
+    forms = {f: offset_prediction(p, offsets[f].get(n)) for f, p in forms.items()}
     chosen = forms.pop(form)
     choice = FormChoice(
         form=form,
@@ -228,8 +235,50 @@ def choose_and_size(
         run_interval=chosen.run_interval,
         form=form,
         second_form=next(iter(forms.values()), None),
+        shape=shape,
     )
     return fit.model_copy(update={"choice": choice}), rung, prediction, law
+
+
+def shaped_rung(
+    recipe: Recipe, law: PointLaw, offsets: dict[float, ShapeOffset], n_opt: float, budget: float
+) -> tuple[Recipe, RungShape]:
+    """The rung: the shape nearest N*, unless a swept shape's loss by the law times its offset from it
+    (`shape_offsets`) is lower at this budget; each candidate as it would train (`rung_recipe`). Without offsets
+    (one seed, or shapes no further from the law than noise) the nearest shape, as before."""
+    depth, width, _ = nearest_shapes(recipe, n_opt)[0]
+    candidates = [(depth, width)]
+    if offsets:
+        swept = [sized_model(recipe.model, s.depth, s.width) for s in recipe.sweep.all_sizes()]
+        candidates += [(m.n_layers, m.d_model) for m in swept]
+
+    def scored(shape: tuple[int, int]) -> tuple[float, Recipe, ShapeOffset | None]:
+        sized = rung_recipe(recipe, *shape, budget)
+        n, d = rung_size(sized)
+        offset = offsets.get(n)
+        return float(law.loss(n, d)) * (offset.factor() if offset else 1.0), sized, offset
+
+    _, rung, offset = min((scored(c) for c in dict.fromkeys(candidates)), key=lambda t: t[0])
+    shape = RungShape(depth=rung.model.n_layers, width=rung.model.d_model)
+    if offset is not None:
+        shape = shape.model_copy(
+            update={"offset": offset.offset, "raw": offset.raw, "sd": offset.sd, "runs": offset.runs}
+        )
+    return rung, shape
+
+
+def offset_prediction(prediction: FormPrediction, offset: ShapeOffset | None) -> FormPrediction:
+    """A form's answer at the rung times the rung's shape's offset from that form's law, its intervals widened by
+    the offset's own uncertainty; unchanged where the shape was not swept."""
+    if offset is None:
+        return prediction
+    loss = prediction.loss * offset.factor()
+    scaled = {
+        k: widened(loss, (bounds[0] * offset.factor(), bounds[1] * offset.factor()), offset)
+        for k in ("interval", "run_interval")
+        if (bounds := getattr(prediction, k)) is not None
+    }
+    return prediction.model_copy(update={"loss": loss, **scaled, "shape_offset": offset.offset})
 
 
 def kaplan_form(points: ScalingPoints) -> tuple[KaplanLaw, float | None] | None:
@@ -469,19 +518,29 @@ def nearest_shapes(recipe: Recipe, n_opt: float, max_aspect: float = 48) -> list
 
 
 def size_for_budget(
-    recipe: Recipe, n_opt: float, budget: float, swept: tuple[float, float] | None = None
+    recipe: Recipe,
+    n_opt: float,
+    budget: float,
+    swept: tuple[float, float] | None = None,
+    shape: tuple[int, int] | None = None,
 ) -> tuple[Recipe, str]:
     """The recipe at the size nearest N* (in log space; depth 1-8, widths in whole kv groups of heads, aspect
     ratio 16-48 like the sweep's shapes), with the sweep's batch, horizon and warmup rules for D = C / (6·N)
     tokens (`rung_recipe`); returns it and a one-line explanation (which flags an N* outside the `swept` sizes).
     One layer gets no wider aspect than the others: the demo's rung at 64 wide (aspect 64) ended 0.6% above two
-    layers 48 wide at the same compute, its early losses 3-4.5% above the point law's (README, "the shape it got")."""
+    layers 48 wide at the same compute, its early losses 3-4.5% above the point law's (README, "the shape it got").
+    `shape` (depth, width), where the fit chose a swept shape by its offset from the law (`shaped_rung`), replaces
+    the nearest one."""
     depth, width, n = nearest_shapes(recipe, n_opt)[0]
+    which = "nearest size"
+    if shape is not None and shape != (depth, width):
+        (depth, width), which = shape, "the swept shape lowest by the law times its offset (not the nearest):"
+        n = count_n(sized_model(recipe.model, depth, width), recipe.sweep.param_count)
     sized = rung_recipe(recipe, depth, width, budget)
     steps, batch = sized.train.max_steps, sized.train.global_batch(sized.parallel.world_size)
     tokens = steps * batch * sized.train.seq_len
     note = (
-        f"C={budget:.3g} FLOPs: fitted N*={n_opt:.3g}; nearest size depth {depth} width {width} (N={n:,}), "
+        f"C={budget:.3g} FLOPs: fitted N*={n_opt:.3g}; {which} depth {depth} width {width} (N={n:,}), "
         f"D={tokens:,} tokens ({steps} steps of {batch} sequences, {tokens / n:.1f} tokens/param)"
     )
     if swept and not swept[0] <= n_opt <= swept[1]:

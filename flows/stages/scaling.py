@@ -69,13 +69,17 @@ def run_fit(recipe: Recipe, inputs: Inputs, progress: Any) -> ScalingFit:
 
 
 def sized(recipe: Recipe, inputs: Inputs, law: ScalingFit) -> tuple[Recipe, str]:
-    """The recipe at the size nearest the chosen law form's N* for the target budget, and why that size."""
+    """The recipe at the size nearest the chosen law form's N* for the target budget (or the swept shape the fit
+    chose for the rung by its offset from the law), and why that size."""
     import pyarrow.parquet as pq
 
     from flows.scaling import size_for_budget
 
     sizes = [row["N"] for row in pq.read_table(inputs["sweep"].results, columns=["N"]).to_pylist()]
-    final, note = size_for_budget(recipe, law.sizing_n_opt, law.optimal.budget, (min(sizes), max(sizes)))
+    shape = (law.rung.shape.depth, law.rung.shape.width) if law.rung and law.rung.shape else None
+    final, note = size_for_budget(
+        recipe, law.sizing_n_opt, law.optimal.budget, (min(sizes), max(sizes)), shape
+    )
     return final.override({"name": f"{recipe.name}-optimal"}), note
 
 

@@ -157,3 +157,11 @@ def test_complete_p_is_the_model_itself_at_its_base_depth() -> None:
     a, b = Transformer(base, seed=2), Transformer(deep, seed=2)
     assert deep.residual_mult == 1.0
     torch.testing.assert_close(a(tokens).logits, b(tokens).logits, rtol=0, atol=0)
+
+
+def test_without_complete_p_the_config_dumps_as_before():
+    """Run keys hash the model's dump: without `base_depth` it is μP's as before the field existed (cached sweep
+    trials are found), with it the depth is part of the key."""
+    assert "base_depth" not in MuPConfig(base_width=32).model_dump(mode="json")
+    assert MuPConfig(base_width=32, base_depth=2).model_dump(mode="json")["base_depth"] == 2
+    assert MuPConfig.model_validate(MuPConfig(base_width=32).model_dump()).base_depth is None

@@ -14,6 +14,8 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    SerializerFunctionWrapHandler,
+    model_serializer,
     model_validator,
 )
 
@@ -61,6 +63,15 @@ class MuPConfig(BaseModel):
     # by base_depth / n_layers and the residual projections start at the base depth's scale, so a learning rate
     # tuned at `base_depth` layers transfers to other depths; None: the GPT-2 init's 1/sqrt(2·n_layers) alone
     base_depth: PositiveInt | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset_depth(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without CompleteP the dump is μP's as it was before `base_depth` existed, so runs keyed by it (a sweep's
+        trials) are still found."""
+        data = handler(self)
+        if self.base_depth is None:
+            data.pop("base_depth", None)
+        return data
 
 
 class ModelConfig(BaseModel):
