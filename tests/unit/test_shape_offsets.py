@@ -5,8 +5,11 @@ noise (`evaluation/shape_offsets.py`); the rung is the shape lowest by the law t
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from evaluation.kaplan_fit import KaplanLaw
@@ -22,6 +25,7 @@ from flows.scaling import (
     shaped_rung,
     size_for_budget,
 )
+from flows.stages.scaling import sized
 from training.sizing import count_n, sized_model
 
 TRUE = KaplanLaw(n_c=3e4, d_c=2e6, alpha_n=0.25, alpha_d=0.3, E=1.2)
@@ -132,3 +136,9 @@ def test_the_fit_sizes_and_predicts_the_rung_with_its_shapes_offset(tmp_path):
     )
     assert prediction.second_form.shape_offset is not None  # the other form is offset from its own law
     assert any("Its shape" in line for line in rung_lines(prediction))
+    results = tmp_path / "results.parquet"
+    pq.write_table(pa.table({"N": table.n}), results)
+    final, note = sized(
+        recipe, {"sweep": SimpleNamespace(results=str(results))}, fit.model_copy(update={"rung": prediction})
+    )
+    assert (final.model.n_layers, final.model.d_model) == other  # the final model is the rung's shape
