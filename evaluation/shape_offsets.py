@@ -44,9 +44,8 @@ def shape_offsets(points: ScalingPoints, law: PointLaw) -> dict[float, ShapeOffs
     replicated = [r for r in groups.values() if len(r) >= 2]
     if not replicated or len(groups) < 2:
         return {}
-    noise = float(
-        np.mean([np.var(r, ddof=1) for r in replicated])
-    )  # one run's variance about its shape's mean
+    # one run's variance about its shape's mean, pooled over the replicated shapes
+    noise = float(np.mean([np.var(r, ddof=1) for r in replicated]))
     raw = {size: float(np.mean(r)) for size, r in groups.items()}
     se2 = {size: noise / len(r) for size, r in groups.items()}
     spread = max(0.0, float(np.var(list(raw.values()), ddof=1)) - float(np.mean(list(se2.values()))))
