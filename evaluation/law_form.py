@@ -8,6 +8,7 @@ shapes trained at its budget better (README, "Which form sizes the rung").
 
 from __future__ import annotations
 
+import numpy as np
 from pydantic import BaseModel
 
 from training.config import LawForm
@@ -24,20 +25,48 @@ class FormChoice(BaseModel):
     law: dict[str, float]  # its fitted parameters (Chinchilla's are also the fit's `law`)
     reason: str
     heldout: dict[str, float | None]  # each form's mean relative error on the held-out budget
+    # Kaplan's minus Chinchilla's, 95% over the held-out runs resampled (`heldout_gap`): does the budget tell them apart?
+    heldout_gap: tuple[float, float] | None = None
     n_opt: float
     n_opt_interval: tuple[float, float]
     exponents: dict[str, tuple[float, float]]
 
 
-def choose_form(setting: LawForm, heldout: dict[str, float | None]) -> tuple[str, str]:
+def choose_form(
+    setting: LawForm, heldout: dict[str, float | None], gap: tuple[float, float] | None = None
+) -> tuple[str, str]:
     """(form, reason): the recipe's `setting`, or with `auto` the form with the smaller held-out error
-    (Chinchilla's when either has none: a sweep of one budget, or a form that did not converge without it)."""
+    (Chinchilla's when either has none: a sweep of one budget, or a form that did not converge without it). The
+    reason says whether the `gap` between the two (`heldout_gap`) is beyond the held-out runs' noise."""
     if setting != "auto":
         return setting, f"set by sweep.law_form={setting}"
     if any(heldout.get(f) is None for f in FORMS):
         return "chinchilla", "sweep.law_form=auto, but not both forms have a held-out error: the default"
     form, other = sorted(FORMS, key=lambda f: heldout[f])
-    return form, (
+    reason = (
         f"sweep.law_form=auto: the smaller mean error on the held-out budget, {heldout[form]:.2%} against "
         f"{other.capitalize()}'s {heldout[other]:.2%}"
     )
+    if gap is not None:
+        apart = "beyond" if gap[0] > 0 or gap[1] < 0 else "within"
+        reason += (
+            f"; a gap {apart} the held-out runs' noise (Kaplan's minus Chinchilla's, 95% "
+            f"[{gap[0]:+.2%}, {gap[1]:+.2%}])"
+        )
+    return form, reason
+
+
+def heldout_gap(
+    chinchilla: np.ndarray, kaplan: np.ndarray, runs: np.ndarray, n_resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """95% interval of Kaplan's mean relative error on the held-out points minus Chinchilla's, the held-out runs
+    resampled with replacement: both forms are scored on the same points, so what their errors share (a run's
+    own luck) cancels and what is left is how far the budget tells the forms apart."""
+    diff = np.asarray(kaplan, dtype=float) - np.asarray(chinchilla, dtype=float)
+    labels, index = np.unique(runs, return_inverse=True)
+    sums = np.bincount(index, weights=diff, minlength=len(labels))
+    counts = np.bincount(index, minlength=len(labels))
+    draws = np.random.default_rng(seed).integers(0, len(labels), (n_resamples, len(labels)))
+    means = sums[draws].sum(1) / counts[draws].sum(1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(lo), float(hi)

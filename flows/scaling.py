@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from data_pipeline.shards import DatasetManifest
 from evaluation.chinchilla_fit import HUBER_DELTA
 from evaluation.kaplan_fit import KaplanLaw, fit_kaplan, kaplan_intervals
-from evaluation.law_form import FormChoice, choose_form
+from evaluation.law_form import FormChoice, choose_form, heldout_gap
 from evaluation.law_noise import calibrated_fit
 from evaluation.loss_curve import (
     Anchor,
@@ -202,14 +202,16 @@ def choose_and_size(
     from `n_resamples`), and Kaplan's law (None where it did not converge)."""
     kaplan = kaplan_form(points)
     law = kaplan[0] if kaplan else None
+    kaplan_errors = kaplan[1] if kaplan else None
     heldout = {
         "chinchilla": (fit.holdout or {}).get("mean_rel_error"),
-        "kaplan": kaplan[1] if kaplan else None,
+        "kaplan": float(np.mean(kaplan_errors)) if kaplan_errors is not None else None,
     }
+    gap = paired_gap(points, fit, kaplan_errors)
     if law is None:  # nothing to choose from
         form, reason = "chinchilla", "Kaplan's form did not converge on this sweep"
     else:
-        form, reason = choose_form(recipe.sweep.law_form, heldout)
+        form, reason = choose_form(recipe.sweep.law_form, heldout, gap)
     n_opt = float(law.optimal_n(budget)) if form == "kaplan" else fit.optimal.n_opt
     laws: dict[str, PointLaw] = {"chinchilla": fit.to_law(), **({"kaplan": law} if law is not None else {})}
     offsets = {f: shape_offsets(points, point_law) for f, point_law in laws.items()}
@@ -223,6 +225,7 @@ def choose_and_size(
         law=chosen.law,
         reason=reason,
         heldout=heldout,
+        heldout_gap=gap,
         n_opt=chosen.n_opt,
         n_opt_interval=chosen.n_opt_interval,
         exponents=chosen.exponents,
@@ -281,9 +284,23 @@ def offset_prediction(prediction: FormPrediction, offset: ShapeOffset | None) ->
     return prediction.model_copy(update={"loss": loss, **scaled, "shape_offset": offset.offset})
 
 
-def kaplan_form(points: ScalingPoints) -> tuple[KaplanLaw, float | None] | None:
-    """Kaplan's form fitted to the sweep's points, and its mean error on the held-out budget (fitted without it,
-    as Chinchilla's in `fit.holdout`; None with too few sizes left); None when it does not converge."""
+def paired_gap(
+    points: ScalingPoints, fit: ScalingFit, kaplan_errors: np.ndarray | None
+) -> tuple[float, float] | None:
+    """`heldout_gap` over the held-out points both forms predicted (Chinchilla's from `fit.holdout`); None where
+    either form has no held-out errors."""
+    held = holdout_mask(points)
+    chinchilla = (fit.holdout or {}).get("points")
+    if held is None or kaplan_errors is None or not chinchilla or len(chinchilla) != len(kaplan_errors):
+        return None
+    errors = np.array([abs(p["predicted"] - p["measured"]) / p["measured"] for p in chinchilla])
+    return heldout_gap(errors, kaplan_errors, points.subset(held).runs)
+
+
+def kaplan_form(points: ScalingPoints) -> tuple[KaplanLaw, np.ndarray | None] | None:
+    """Kaplan's form fitted to the sweep's points, and its relative error at each held-out point (fitted without
+    the held-out budget, as Chinchilla's in `fit.holdout`; None with too few sizes left); None when it does not
+    converge."""
     try:
         law = fit_kaplan(points)
     except ValueError as e:
@@ -297,7 +314,7 @@ def kaplan_form(points: ScalingPoints) -> tuple[KaplanLaw, float | None] | None:
         other = fit_kaplan(points.subset(~held))
     except ValueError:
         return law, None
-    return law, float(np.mean(np.abs(other.loss(test.n, test.d) / test.loss - 1.0)))
+    return law, np.abs(other.loss(test.n, test.d) / test.loss - 1.0)
 
 
 def form_predictions(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from evaluation.kaplan_fit import KaplanLaw, fit_kaplan, kaplan_intervals
-from evaluation.law_form import choose_form
+from evaluation.law_form import choose_form, heldout_gap
 from evaluation.scaling_data import ScalingPoints
 from evaluation.scaling_report import (
     FormPrediction,
@@ -129,7 +129,7 @@ def test_the_rung_gets_a_second_prediction_checked_and_reported(tmp_path):
     table = points(TRUE, noise=0.005)
     fit = run_fit_scaling(table, tmp_path, target_budget=2.4e12, n_bootstrap=50, plots=False, write=False)
     law, heldout = kaplan_form(table)
-    errors = {"chinchilla": fit.holdout["mean_rel_error"], "kaplan": heldout}
+    errors = {"chinchilla": fit.holdout["mean_rel_error"], "kaplan": float(heldout.mean())}
     forms = form_predictions(table, fit, law, errors, 1e5, 4e6, tmp_path)
     second, chinchilla = forms["kaplan"], forms["chinchilla"]
     assert chinchilla.loss == pytest.approx(float(fit.to_law().loss(1e5, 4e6)))
@@ -237,3 +237,18 @@ def test_mlflow_gets_the_second_forms_numbers_when_there_are_some():
     checked = rung.check(2.5, None)
     assert second_form_metric(checked, "rel_error", "rel_error") == {"fit/rung_kaplan_rel_error": 0.2}
     assert second_form_metric(rung.model_copy(update={"second_form": None}), "predicted_loss", "loss") == {}
+
+
+def test_the_choice_says_whether_the_held_out_budget_tells_the_forms_apart():
+    """Both forms scored on the same held-out runs: Kaplan's errors lower at every run by 0.5 points is a gap
+    beyond the noise; differences that change sign from run to run are within it, and the reason says which."""
+    rng = np.random.default_rng(0)
+    runs = np.repeat(np.arange(12), 2)
+    chinchilla = 0.02 + rng.normal(0.0, 0.004, runs.size)
+    better = heldout_gap(chinchilla, chinchilla - 0.005 + rng.normal(0.0, 0.0005, runs.size), runs)
+    assert better[0] < better[1] < 0
+    alike = heldout_gap(chinchilla, chinchilla + rng.normal(0.0, 0.004, runs.size), runs)
+    assert alike[0] < 0 < alike[1]
+    errors = {"chinchilla": 0.02, "kaplan": 0.015}
+    assert "a gap beyond the held-out runs' noise" in choose_form("auto", errors, better)[1]
+    assert "a gap within the held-out runs' noise" in choose_form("auto", errors, alike)[1]
