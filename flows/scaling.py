@@ -63,8 +63,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned; 5: Kaplan's form beside;
 # 6: the curve anchored to the point law at every evaluation; 7: Kaplan's intervals; 8: the form chosen; 9: Kaplan's
-# resamples refitted from several starts; 10: the rung's shape by its offset from the law (evaluation/shape_offsets.py)
-FIT_VERSION = 10
+# resamples refitted from several starts; 10: the rung's shape by its offset from the law (evaluation/shape_offsets.py);
+# 11: the held-out gap between the forms
+FIT_VERSION = 11
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
