@@ -50,8 +50,8 @@ def choose_form(
     if gap is not None:
         apart = "beyond" if gap[0] > 0 or gap[1] < 0 else "within"
         reason += (
-            f"; a gap {apart} the held-out runs' noise (Kaplan's minus Chinchilla's, 95% "
-            f"[{gap[0]:+.2%}, {gap[1]:+.2%}])"
+            f"; a gap {apart} the held-out runs' noise, Kaplan's minus Chinchilla's 95% "
+            f"[{gap[0]:+.2%}, {gap[1]:+.2%}]"
         )
     return form, reason
 
