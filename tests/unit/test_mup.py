@@ -28,18 +28,8 @@ def activations(model: Transformer, tokens: torch.Tensor) -> dict[str, torch.Ten
     return out
 
 
-def movement(width: int, mup: bool, steps: int = 4, lr: float = 1e-2) -> dict[str, float]:
+def movement(cfg: ModelConfig, steps: int = 4, lr: float = 1e-2) -> dict[str, float]:
     """RMS change of each block's output and of the logits after `steps` AdamW steps on a fixed batch."""
-    cfg = ModelConfig(
-        vocab_size=128,
-        d_model=width,
-        n_layers=2,
-        n_heads=width // 16,
-        n_kv_heads=width // 16,
-        d_ff=width * 8 // 3 // 16 * 16,
-        max_seq_len=64,
-        mup=MuPConfig(base_width=WIDTHS[0]) if mup else None,
-    )
     model = Transformer(cfg, seed=0)
     optimizer = torch.optim.AdamW(param_groups(model, OptimConfig(weight_decay=0.0), cfg.hidden_lr_mult()))
     tokens = torch.randint(0, cfg.vocab_size, (8, 33), generator=torch.Generator().manual_seed(1))
@@ -53,9 +43,22 @@ def movement(width: int, mup: bool, steps: int = 4, lr: float = 1e-2) -> dict[st
     return {k: float((after[k] - before[k]).pow(2).mean().sqrt()) for k in after}
 
 
+def at_width(width: int, mup: bool) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=128,
+        d_model=width,
+        n_layers=2,
+        n_heads=width // 16,
+        n_kv_heads=width // 16,
+        d_ff=width * 8 // 3 // 16 * 16,
+        max_seq_len=64,
+        mup=MuPConfig(base_width=WIDTHS[0]) if mup else None,
+    )
+
+
 def slopes(mup: bool) -> dict[str, float]:
     """Per layer, the slope of log RMS change against log width."""
-    runs = [movement(w, mup) for w in WIDTHS]
+    runs = [movement(at_width(w, mup)) for w in WIDTHS]
     return {k: float(np.polyfit(np.log(WIDTHS), np.log([r[k] for r in runs]), 1)[0]) for k in runs[0]}
 
 
@@ -98,9 +101,8 @@ def test_mup_learning_rates_by_group() -> None:
 DEPTHS = (1, 2, 4, 8, 16)
 
 
-def stream_movement(depth: int, base_depth: int | None, steps: int = 4, lr: float = 1e-2) -> float:
-    """RMS change of the residual stream after the last block, after `steps` AdamW steps on a fixed batch."""
-    cfg = ModelConfig(
+def at_depth(depth: int, base_depth: int | None) -> ModelConfig:
+    return ModelConfig(
         vocab_size=128,
         d_model=32,
         n_layers=depth,
@@ -110,24 +112,6 @@ def stream_movement(depth: int, base_depth: int | None, steps: int = 4, lr: floa
         max_seq_len=64,
         mup=MuPConfig(base_width=32, base_depth=base_depth),
     )
-    model = Transformer(cfg, seed=0)
-    optimizer = torch.optim.AdamW(param_groups(model, OptimConfig(weight_decay=0.0), cfg.hidden_lr_mult()))
-    tokens = torch.randint(0, cfg.vocab_size, (8, 33), generator=torch.Generator().manual_seed(1))
-
-    def stream() -> torch.Tensor:
-        out: list[torch.Tensor] = []
-        hook = model.model.layers[-1].register_forward_hook(lambda _m, _i, o: out.append(o[0].detach()))
-        model(tokens[:, :-1])
-        hook.remove()
-        return out[0]
-
-    before = stream()
-    for _ in range(steps):
-        set_lr(optimizer, lr)
-        model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return float((stream() - before).pow(2).mean().sqrt())
 
 
 @pytest.mark.parametrize(("base_depth", "flat"), [(2, True), (None, False)])
@@ -135,7 +119,9 @@ def test_depth_coordinate_check(base_depth: int | None, flat: bool) -> None:
     """CompleteP (`mup.base_depth`): the residual stream moves as far at 16 layers as at 1 after the same steps at
     one learning rate (the slope of log movement against log depth near 0); with the GPT-2 init alone it moves
     more the deeper the model (measured slope 0.65: 7x from 1 to 16 layers)."""
-    moved = [stream_movement(d, base_depth) for d in DEPTHS]
+    moved = [
+        movement(at_depth(d, base_depth))[f"block{d - 1}"] for d in DEPTHS
+    ]  # the stream after the last block
     slope = float(np.polyfit(np.log(DEPTHS), np.log(moved), 1)[0])
     assert (abs(slope) < 0.15) if flat else (slope > 0.4), (slope, moved)
 
