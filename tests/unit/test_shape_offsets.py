@@ -30,6 +30,7 @@ from training.sizing import count_n, sized_model
 
 TRUE = KaplanLaw(n_c=3e4, d_c=2e6, alpha_n=0.25, alpha_d=0.3, E=1.2)
 BUDGET = 2.4e12
+N_OPT = float(TRUE.optimal_n(BUDGET))
 
 
 def demo(tmp_path, *overrides: str):
@@ -40,6 +41,17 @@ def swept(recipe) -> dict[tuple[int, int], float]:
     """The demo's swept shapes: (depth, width) -> N."""
     models = [sized_model(recipe.model, s.depth, s.width) for s in recipe.sweep.all_sizes()]
     return {(m.n_layers, m.d_model): float(count_n(m, recipe.sweep.param_count)) for m in models}
+
+
+def nearest_and_next(recipe) -> tuple[tuple[int, int], tuple[int, int], float]:
+    """The shape nearest the true law's N* at BUDGET, and the swept shape nearest N* other than it (with its N)."""
+    nearest = nearest_shapes(recipe, N_OPT)[0][:2]
+    other, n_other = next(
+        (shape, n)
+        for shape, n in sorted(swept(recipe).items(), key=lambda kv: abs(math.log(kv[1] / N_OPT)))
+        if shape != nearest
+    )
+    return nearest, other, n_other
 
 
 def sweep(
@@ -84,21 +96,15 @@ def test_the_rung_is_the_shape_lowest_by_the_law_times_its_offset(tmp_path):
     """A swept shape other than the one nearest N* becomes the rung when its offset puts it below the nearest
     shape's law loss, not when its offset is above; the size for the final model follows the rung's shape."""
     recipe = demo(tmp_path)
-    n_opt = float(TRUE.optimal_n(BUDGET))
-    nearest = nearest_shapes(recipe, n_opt)[0][:2]
-    other, n_other = next(
-        (shape, n)
-        for shape, n in sorted(swept(recipe).items(), key=lambda kv: abs(math.log(kv[1] / n_opt)))
-        if shape != nearest
-    )
+    nearest, other, n_other = nearest_and_next(recipe)
     for offset, want in ((-0.05, other), (0.05, nearest)):
         offsets = {n_other: ShapeOffset(n_other, offset, 0.004, offset, 4)}
-        rung, shape = shaped_rung(recipe, TRUE, offsets, n_opt, BUDGET)
+        rung, shape = shaped_rung(recipe, TRUE, offsets, N_OPT, BUDGET)
         assert (rung.model.n_layers, rung.model.d_model) == (shape.depth, shape.width) == want
         assert (shape.offset is not None) == (want == other)
-    rung, shape = shaped_rung(recipe, TRUE, {}, n_opt, BUDGET)
+    rung, shape = shaped_rung(recipe, TRUE, {}, N_OPT, BUDGET)
     assert (shape.depth, shape.width) == nearest and shape.offset is None
-    final, note = size_for_budget(recipe, n_opt, BUDGET, shape=other)
+    final, note = size_for_budget(recipe, N_OPT, BUDGET, shape=other)
     assert (final.model.n_layers, final.model.d_model) == other and "not the nearest" in note
 
 
@@ -116,13 +122,7 @@ def test_the_fit_sizes_and_predicts_the_rung_with_its_shapes_offset(tmp_path):
     predicted 4% (shrunk a little) below the law, and the report says so."""
     recipe = demo(tmp_path, "sweep.law_form=kaplan")
     shapes = swept(recipe)
-    n_opt = float(TRUE.optimal_n(BUDGET))
-    nearest = nearest_shapes(recipe, n_opt)[0][:2]
-    other, n_other = next(
-        (shape, n)
-        for shape, n in sorted(shapes.items(), key=lambda kv: abs(math.log(kv[1] / n_opt)))
-        if shape != nearest
-    )
+    _, other, n_other = nearest_and_next(recipe)
     table = sweep(sorted(shapes.values()), {n_other: -0.04}, seeds=3, noise=0.003)
     fit = run_fit_scaling(table, tmp_path, target_budget=BUDGET, n_bootstrap=40, plots=False, write=False)
     fit, rung, prediction, law = choose_and_size(recipe, table, fit, BUDGET, tmp_path, n_resamples=30)
