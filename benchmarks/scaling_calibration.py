@@ -111,7 +111,7 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
     points = sweep_points(args.results)
     truth = fit_kaplan(points)
     fitted = kaplan_noise(points, truth)
-    noise = NoiseModel(fitted.run_sd, fitted.point_sd)
+    noise = NoiseModel(fitted.run_sd, fitted.point_sd, cell_sd=fitted.cell_sd)
     with ProcessPoolExecutor(args.workers) as pool:
         trials = simulated(pool, args, truth, design, noise, budget, "kaplan")
     coverage, width = summary(trials, list(trials[0]["covered"]))
@@ -125,7 +125,7 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
                 "runs": int(design.run.max()) + 1,
                 "design_seconds": design_seconds(design, args.results),
                 "truth": {k: float(f"{v:.4g}") for k, v in truth.as_dict().items()},
-                "noise": {"run_sd": round(noise.run_sd, 4), "point_sd": round(noise.point_sd, 4)},
+                "noise": {k: round(getattr(noise, k), 4) for k in ("cell_sd", "run_sd", "point_sd")},
                 "sweeps": len(trials),
                 "coverage": coverage,
                 "goal": [0.93, 0.97],
@@ -165,7 +165,10 @@ def main() -> None:
         from flows.scaling import sweep_points
 
         fitted = calibrated_fit(sweep_points(args.results), n_resamples=10)
-        truth, noise = fitted.fit.law, NoiseModel(fitted.noise.run_sd, fitted.noise.point_sd)
+        truth, noise = (
+            fitted.fit.law,
+            NoiseModel(fitted.noise.run_sd, fitted.noise.point_sd, cell_sd=fitted.noise.cell_sd),
+        )
     coverage, width, failed = {}, {}, {}
     with ProcessPoolExecutor(args.workers) as pool:
         for method in args.methods:
@@ -190,7 +193,7 @@ def main() -> None:
                 "runs": int(design.run.max()) + 1,
                 "design_seconds": design_seconds(design, args.results),
                 "truth": {k: round(v, 4) for k, v in truth.as_dict().items()},
-                "noise": {"run_sd": round(noise.run_sd, 4), "point_sd": round(noise.point_sd, 4)},
+                "noise": {k: round(getattr(noise, k), 4) for k in ("cell_sd", "run_sd", "point_sd")},
                 "sweeps": args.sweeps,
                 "coverage": coverage,
                 "goal": [0.93, 0.97],

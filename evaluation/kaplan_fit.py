@@ -154,13 +154,16 @@ def kaplan_intervals(
     level: float = 0.95,
     seed: int = 0,
 ) -> KaplanIntervals:
-    """The parametric bootstrap Chinchilla's fit uses (`law_noise`): the run and point noise its residuals show
-    (what the five parameters absorb taken out), sweeps redrawn from the law and that noise on the same design,
-    each refitted as the law was (`_refit`); a new run adds its own offset and noise to each resample's loss."""
+    """The parametric bootstrap Chinchilla's fit uses (`law_noise`): the cell, run and point noise its residuals
+    show (what the five parameters absorb taken out), sweeps redrawn from the law and that noise on the same design,
+    each refitted as the law was (`_refit`); a new run adds its own misfit, offset and noise to each resample's
+    loss."""
     theta = law.theta()
     noise = kaplan_noise(points, law)
     rng = np.random.default_rng(seed)
-    redrawn = _log_loss(theta, points.n, points.d)[None] + noise.draw(rng, points.runs, n_resamples)
+    redrawn = _log_loss(theta, points.n, points.d)[None] + noise.draw(
+        rng, points.runs, n_resamples, points.cells
+    )
     fitted = []
     for y in redrawn:
         resampled = _refit(points, y, theta)
@@ -201,8 +204,8 @@ def _refit(points: ScalingPoints, y: np.ndarray, theta: np.ndarray) -> KaplanLaw
 
 
 def kaplan_noise(points: ScalingPoints, law: KaplanLaw) -> NoiseModel:
-    """The run and point noise of `points` around the law (`residual_noise`: what its five parameters absorb taken
-    out)."""
+    """The cell, run and point noise of `points` around the law (`residual_noise`: what its five parameters absorb
+    taken out)."""
     theta = law.theta()
     residual = np.log(points.loss) - _log_loss(theta, points.n, points.d)
     return residual_noise(points, residual, _log_jacobian(theta, points.n, points.d))

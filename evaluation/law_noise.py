@@ -1,11 +1,12 @@
 """How runs scatter around a fitted law, and intervals that respect it.
 
-In log loss, a point is the law plus a run's own offset (shared by every horizon of a multi-horizon run: its
-shape, its seed, its stable phase) plus independent noise per point. The two variances are estimated by the
-method of moments on the fit's residuals, with what the fit itself absorbs taken out (the residuals of a
-5-parameter fit to 21 points are smaller than the noise). The parametric bootstrap then redraws whole sweeps
-from that model around the fit and refits each: its spread of laws is the confidence interval of the law; a
-new run's loss adds its own offset and noise on top (the prediction interval).
+In log loss, a point is the law plus the law's misfit at its (size, budget) cell (shared by every seed's run there:
+what the law's form does not capture, which more seeds do not average away), plus a run's own offset (shared by every
+horizon of a multi-horizon run: its seed, its stable phase) plus independent noise per point. The variances are
+estimated by the method of moments on the fit's residuals, with what the fit itself absorbs taken out (the residuals
+of a 5-parameter fit to 21 points are smaller than the noise). The parametric bootstrap then redraws whole sweeps
+from that model around the fit and refits each: its spread of laws is the confidence interval of the law; a new run
+at a new size or budget adds its own misfit, offset and noise on top (the prediction interval).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
+from scipy.optimize import nnls
 
 from evaluation.chinchilla_fit import (
     HUBER_DELTA,
@@ -36,31 +38,42 @@ IntervalMethod = Literal["noise", "runs", "points"]
 
 @dataclass(frozen=True)
 class NoiseModel:
-    """log L = log L_law(N, D) + u_run + e_point, u ~ N(0, run_sd²), e ~ N(0, point_sd²).
+    """log L = log L_law(N, D) + c_cell + u_run + e_point, c ~ N(0, cell_sd²), u ~ N(0, run_sd²), e ~ N(0, point_sd²).
 
     An estimated model also carries each variance's degrees of freedom (Satterthwaite): seven runs pin the run
     variance about as well as four, and intervals that took it as exact would be too narrow (as z-intervals are
-    where t-intervals belong), so the bootstrap draws each resample's variances from their uncertainty."""
+    where t-intervals belong), so the bootstrap draws each resample's variances from their uncertainty. The cell
+    variance is told apart only where a (size, budget) has runs of two seeds; otherwise it is in the point noise."""
 
     run_sd: float
     point_sd: float
     run_df: float = math.inf
     point_df: float = math.inf
+    cell_sd: float = 0.0
+    cell_df: float = math.inf
 
     @property
     def total_sd(self) -> float:
-        """The scatter of one new run's loss around the law."""
-        return float(np.hypot(self.run_sd, self.point_sd))
+        """The scatter of one new run's loss around the law, at a size and budget of its own."""
+        return float(np.sqrt(self.run_sd**2 + self.point_sd**2 + self.cell_sd**2))
 
-    def draw(self, rng: np.random.Generator, runs: np.ndarray, size: int) -> np.ndarray:
-        """(size, P) log-loss noise for points labelled by `runs` (0..R-1): one offset per run, one per point;
-        with finite degrees of freedom, each row's standard deviations are drawn first (scaled inverse χ²)."""
+    def draw(
+        self, rng: np.random.Generator, runs: np.ndarray, size: int, cells: np.ndarray | None = None
+    ) -> np.ndarray:
+        """(size, P) log-loss noise for points labelled by `runs` (0..R-1) and `cells` (0..C-1; default each point
+        its own): one misfit per cell, one offset per run, one per point; with finite degrees of freedom, each
+        row's standard deviations are drawn first (scaled inverse χ²)."""
         n_runs = int(runs.max()) + 1
         run_sd = self.run_sd * _sd_factor(rng, self.run_df, size)
         point_sd = self.point_sd * _sd_factor(rng, self.point_df, size)
-        return run_sd * rng.normal(0.0, 1.0, (size, n_runs))[:, runs] + point_sd * rng.normal(
+        noise = run_sd * rng.normal(0.0, 1.0, (size, n_runs))[:, runs] + point_sd * rng.normal(
             0.0, 1.0, (size, len(runs))
         )
+        if self.cell_sd > 0:  # drawn last: without a cell variance the draws are those of the two-part model
+            cells = np.arange(len(runs)) if cells is None else cells
+            cell_sd = self.cell_sd * _sd_factor(rng, self.cell_df, size)
+            noise += cell_sd * rng.normal(0.0, 1.0, (size, int(cells.max()) + 1))[:, cells]
+        return noise
 
 
 def _sd_factor(rng: np.random.Generator, df: float, size: int) -> np.ndarray:
@@ -82,43 +95,57 @@ def log_jacobian(law: Law, n: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 
 def estimate_noise(points: ScalingPoints, law: Law) -> NoiseModel:
-    """The run and point variances around Chinchilla's law (`residual_noise` of its residuals)."""
+    """The cell, run and point variances around Chinchilla's law (`residual_noise` of its residuals)."""
     residual = np.log(points.loss) - np.log(law.loss(points.n, points.d))
     return residual_noise(points, residual, log_jacobian(law, points.n, points.d))
 
 
 def residual_noise(points: ScalingPoints, residual: np.ndarray, jac: np.ndarray) -> NoiseModel:
-    """Method-of-moments estimates of the run and point variances from a fit's log-loss residuals r = (I − H)·noise,
-    where H projects onto what the fit absorbs (the column space of `jac`, its log law's derivatives in its
-    parameters): the between-run and within-run sums of squares have expectations linear in the two variances;
-    solve, and clip a negative one to zero. With one point per run the two cannot be told apart and all the
-    scatter is per point."""
+    """Method-of-moments estimates of the variances from a fit's log-loss residuals r = (I − H)·noise, where H
+    projects onto what the fit absorbs (the column space of `jac`, its log law's derivatives in its parameters):
+    the sums of squares between cells, between runs and within both have expectations linear in the variances;
+    solve (non-negative least squares). A grouping counts only where the design replicates it — a run with two
+    horizons, a (size, budget) with two seeds' runs — else its scatter is per point (one point per run: all of it)."""
     keep = np.eye(len(points)) - jac @ np.linalg.pinv(jac)
-    runs = points.runs
-    member = np.eye(int(runs.max()) + 1)[runs]  # (P, R) one-hot
-    between = member @ np.diag(1.0 / member.sum(0)) @ member.T  # projects onto run means
-    within = np.eye(len(points)) - between
-    shared = keep @ member @ member.T @ keep  # the covariance a unit run variance leaves in the residuals
-    dof = float(np.trace(keep))  # residual degrees of freedom, P − 5
-    if np.trace(within) < 0.5:  # one point per run
-        return NoiseModel(0.0, float(np.sqrt(residual @ residual / max(dof, 1e-12))), point_df=dof)
-    sums = np.array([residual @ between @ residual, residual @ within @ residual])
-    coef = np.array([[np.trace(q @ shared), np.trace(q @ keep)] for q in (between, within)])
-    run_var, point_var = np.linalg.lstsq(coef, sums, rcond=None)[0]  # (singular for some tiny designs)
-    if run_var < 0:
-        return NoiseModel(0.0, float(np.sqrt(sums.sum() / dof)), point_df=dof)
-    if point_var < 0:
-        var = sums.sum() / np.trace(shared)
-        return NoiseModel(float(np.sqrt(var)), 0.0, run_df=_satterthwaite(shared))
-    # each variance's degrees of freedom are those of the sum of squares that mostly measures it (between-run
-    # for the offsets, within-run for the point noise): Satterthwaite's ν = tr(QΣ)² / tr(QΣQΣ)
-    sigma = run_var * shared + point_var * keep
+    groupings = {
+        name: _one_hot(labels)
+        for name, labels in (("cell", points.cells), ("run", points.runs))
+        if len(np.unique(labels)) < len(labels)  # some group holds two points
+    }
+    if "cell" in groupings and _one_of(points.runs, points.cells):
+        del groupings["cell"]  # every cell is one run's: a cell's misfit is that run's point noise
+    within = np.eye(len(points)) - _projection(np.hstack([np.ones((len(points), 0)), *groupings.values()]))
+    forms = {**{name: _projection(z) for name, z in groupings.items()}, "point": within}
+    shapes = {**{name: keep @ z @ z.T @ keep for name, z in groupings.items()}, "point": keep}
+    coef = np.array([[np.trace(q @ s) for s in shapes.values()] for q in forms.values()])
+    sums = np.array([residual @ q @ residual for q in forms.values()])
+    var = dict(zip(forms, nnls(coef, sums)[0], strict=True))
+    # each variance's degrees of freedom are those of the sum of squares that mostly measures it (between cells,
+    # between runs, within both): Satterthwaite's ν = tr(QΣ)² / tr(QΣQΣ)
+    sigma = sum(var[name] * shapes[name] for name in forms)
+    df = {name: _satterthwaite(forms[name] @ sigma) if var[name] > 0 else math.inf for name in forms}
     return NoiseModel(
-        float(np.sqrt(run_var)),
-        float(np.sqrt(point_var)),
-        run_df=_satterthwaite(between @ sigma),
-        point_df=_satterthwaite(within @ sigma),
+        float(np.sqrt(var.get("run", 0.0))),
+        float(np.sqrt(var["point"])),
+        run_df=df.get("run", math.inf),
+        point_df=df["point"],
+        cell_sd=float(np.sqrt(var.get("cell", 0.0))),
+        cell_df=df.get("cell", math.inf),
     )
+
+
+def _one_hot(labels: np.ndarray) -> np.ndarray:
+    return np.eye(int(labels.max()) + 1)[labels]
+
+
+def _projection(z: np.ndarray) -> np.ndarray:
+    """The orthogonal projection onto the column space of z (zero for no columns)."""
+    return z @ np.linalg.pinv(z) if z.shape[1] else np.zeros((len(z), len(z)))
+
+
+def _one_of(runs: np.ndarray, cells: np.ndarray) -> bool:
+    """Whether every cell holds points of one run only."""
+    return len(np.unique(np.stack([runs, cells], axis=1), axis=0)) == len(np.unique(cells))
 
 
 def _satterthwaite(q_sigma: np.ndarray) -> float:
@@ -138,10 +165,12 @@ def noise_bootstrap(
     max_iter: int = 300,
 ) -> Bootstrap:
     """Refit `n_resamples` sweeps redrawn from the fitted law and the noise model (same design: every size and
-    horizon kept, run offsets shared by a run's points)."""
+    horizon kept, run offsets shared by a run's points, cell misfits by a cell's seeds)."""
     log_n, log_d = np.log(points.n), np.log(points.d)
     rng = np.random.default_rng(seed)
-    log_l = np.log(law.loss(points.n, points.d))[None] + noise.draw(rng, points.runs, n_resamples)
+    log_l = np.log(law.loss(points.n, points.d))[None] + noise.draw(
+        rng, points.runs, n_resamples, points.cells
+    )
     ones = np.ones(len(points))
     return refit(
         law,
@@ -156,7 +185,8 @@ def prediction_interval(
     samples: dict[str, np.ndarray], noise: NoiseModel, n: float, d: float, level: float = 0.95, seed: int = 0
 ) -> tuple[float, float]:
     """Where a new run at (N, D) lands with probability `level`: each bootstrap law's loss there times a new
-    run's own scatter (offset and point noise, with their uncertainty). NaN without bootstrap laws."""
+    run's own scatter (its cell's misfit, its offset and point noise, with their uncertainty). NaN without
+    bootstrap laws."""
     if len(samples["E"]) == 0:
         return np.nan, np.nan
     law = Law(**{k: samples[k] for k in ("E", "A", "B", "alpha", "beta")})

@@ -61,6 +61,13 @@ class ScalingPoints:
             return np.arange(len(self))
         return np.unique(self.run, return_inverse=True)[1].ravel()
 
+    @property
+    def cells(self) -> np.ndarray:
+        """Each point's (size, budget) cell as an index 0..C−1: the seeds' runs of one size at one budget share a
+        cell, and with it whatever the law misses there."""
+        keys = np.stack([self.n, self.budgets()], axis=1)
+        return np.unique(keys, axis=0, return_inverse=True)[1].ravel()
+
     def subset(self, mask: np.ndarray) -> ScalingPoints:
         run = None if self.run is None else self.run[mask]
         return ScalingPoints(

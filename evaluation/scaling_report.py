@@ -437,9 +437,14 @@ def headline(fit: ScalingFit) -> str:
     ]
     if fit.noise:
         noise = fit.noise_model()
+        misfit = (
+            f"the law misses each size at each budget by {noise.cell_sd:.2%} (shared by its seeds), "
+            if noise.cell_sd
+            else ""
+        )
         lines.append(
-            f"  runs scatter around the law by {noise.run_sd:.2%} (shared by a run's horizons) and {noise.point_sd:.2%} "
-            f"per point (log loss); Huber threshold {fit.huber_delta:.3g}"
+            f"  {misfit}runs scatter around the law by {noise.run_sd:.2%} (shared by a run's horizons) and "
+            f"{noise.point_sd:.2%} per point (log loss); Huber threshold {fit.huber_delta:.3g}"
         )
     if ci["E"][1] - ci["E"][0] <= 1e-9 * max(1.0, law["E"]) or law["E"] < 1e-6:
         lines.append(

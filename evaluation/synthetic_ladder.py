@@ -34,9 +34,10 @@ class Design:
 
 
 def simulate(law: PointLaw, design: Design, noise: NoiseModel, rng: np.random.Generator) -> ScalingPoints:
-    """One sweep: the law at every point with a run offset shared by the run's points and noise per point."""
+    """One sweep: the law at every point with a misfit shared by each (size, budget) cell's runs, an offset
+    shared by each run's points and noise per point."""
     exact = design.points(law.loss(design.n, design.d))
-    return replace(exact, loss=exact.loss * np.exp(noise.draw(rng, exact.runs, 1)[0]))
+    return replace(exact, loss=exact.loss * np.exp(noise.draw(rng, exact.runs, 1, exact.cells)[0]))
 
 
 @dataclass(frozen=True)
