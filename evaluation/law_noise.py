@@ -114,7 +114,9 @@ def residual_noise(points: ScalingPoints, residual: np.ndarray, jac: np.ndarray)
     }
     if "cell" in groupings and _one_of(points.runs, points.cells):
         del groupings["cell"]  # every cell is one run's: a cell's misfit is that run's point noise
-    within = np.eye(len(points)) - _projection(np.hstack([np.ones((len(points), 0)), *groupings.values()]))
+    within = np.eye(len(points))
+    if groupings:
+        within -= _projection(np.hstack(list(groupings.values())))
     forms = {**{name: _projection(z) for name, z in groupings.items()}, "point": within}
     shapes = {**{name: keep @ z @ z.T @ keep for name, z in groupings.items()}, "point": keep}
     coef = np.array([[np.trace(q @ s) for s in shapes.values()] for q in forms.values()])
@@ -135,12 +137,13 @@ def residual_noise(points: ScalingPoints, residual: np.ndarray, jac: np.ndarray)
 
 
 def _one_hot(labels: np.ndarray) -> np.ndarray:
+    """(P, G) membership of each point in its group (labels 0..G-1)."""
     return np.eye(int(labels.max()) + 1)[labels]
 
 
 def _projection(z: np.ndarray) -> np.ndarray:
-    """The orthogonal projection onto the column space of z (zero for no columns)."""
-    return z @ np.linalg.pinv(z) if z.shape[1] else np.zeros((len(z), len(z)))
+    """The orthogonal projection onto the column space of z (onto the group means, for a membership matrix)."""
+    return z @ np.linalg.pinv(z)
 
 
 def _one_of(runs: np.ndarray, cells: np.ndarray) -> bool:
