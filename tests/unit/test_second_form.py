@@ -10,7 +10,9 @@ import pytest
 
 from evaluation.kaplan_fit import KaplanLaw, fit_kaplan, kaplan_intervals
 from evaluation.law_form import choose_form, heldout_gap
+from evaluation.law_noise import NoiseModel
 from evaluation.scaling_data import ScalingPoints
+from evaluation.synthetic_ladder import Design, simulate
 from evaluation.scaling_report import (
     FormPrediction,
     Prediction,
@@ -252,3 +254,19 @@ def test_the_choice_says_whether_the_held_out_budget_tells_the_forms_apart():
     errors = {"chinchilla": 0.02, "kaplan": 0.015}
     assert "a gap beyond the held-out runs' noise" in choose_form("auto", errors, better)[1]
     assert "a gap within the held-out runs' noise" in choose_form("auto", errors, alike)[1]
+
+
+def test_kaplans_intervals_do_not_average_the_laws_misfit_over_seeds():
+    """Four seeds of each run: a scatter the seeds share (the law's misfit per size and budget) leaves the law about
+    twice as unsure as the same scatter drawn per point, which four seeds average (Kaplan's bootstrap redraws one
+    misfit per cell, as Chinchilla's does)."""
+    n = np.repeat(np.geomspace(1.2e4, 2e5, 7), 3)
+    d = np.tile([2e11, 4e11, 8e11], 7) / (6 * n)
+    seeds = 4
+    design = Design(np.tile(n, seeds), np.tile(d, seeds), np.repeat(np.arange(7 * seeds), 3))
+    widths = {}
+    for name, noise in {"cell": NoiseModel(0.001, 0.001, cell_sd=0.015), "point": NoiseModel(0.001, 0.015)}.items():
+        table = simulate(TRUE, design, noise, np.random.default_rng(6))
+        got = kaplan_intervals(table, fit_kaplan(table, starts=8), 1e5, 4e6, 2.4e12, n_resamples=40)
+        widths[name] = got.loss[1] - got.loss[0]
+    assert widths["cell"] > 1.4 * widths["point"], widths
