@@ -12,7 +12,6 @@ from evaluation.kaplan_fit import KaplanLaw, fit_kaplan, kaplan_intervals
 from evaluation.law_form import choose_form, heldout_gap
 from evaluation.law_noise import NoiseModel
 from evaluation.scaling_data import ScalingPoints
-from evaluation.synthetic_ladder import Design, simulate
 from evaluation.scaling_report import (
     FormPrediction,
     Prediction,
@@ -21,6 +20,7 @@ from evaluation.scaling_report import (
     run_fit_scaling,
     rung_lines,
 )
+from evaluation.synthetic_ladder import Design, simulate
 from flows.recipe import load_recipe
 from flows.scaling import (
     choose_and_size,
@@ -265,7 +265,10 @@ def test_kaplans_intervals_do_not_average_the_laws_misfit_over_seeds():
     seeds = 4
     design = Design(np.tile(n, seeds), np.tile(d, seeds), np.repeat(np.arange(7 * seeds), 3))
     widths = {}
-    for name, noise in {"cell": NoiseModel(0.001, 0.001, cell_sd=0.015), "point": NoiseModel(0.001, 0.015)}.items():
+    for name, noise in {
+        "cell": NoiseModel(0.001, 0.001, cell_sd=0.015),
+        "point": NoiseModel(0.001, 0.015),
+    }.items():
         table = simulate(TRUE, design, noise, np.random.default_rng(6))
         got = kaplan_intervals(table, fit_kaplan(table, starts=8), 1e5, 4e6, 2.4e12, n_resamples=40)
         widths[name] = got.loss[1] - got.loss[0]
