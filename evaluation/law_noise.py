@@ -107,13 +107,12 @@ def residual_noise(points: ScalingPoints, residual: np.ndarray, jac: np.ndarray)
     solve (non-negative least squares). A grouping counts only where the design replicates it — a run with two
     horizons, a (size, budget) with two seeds' runs — else its scatter is per point (one point per run: all of it)."""
     keep = np.eye(len(points)) - jac @ np.linalg.pinv(jac)
-    groupings = {
-        name: _one_hot(labels)
-        for name, labels in (("cell", points.cells), ("run", points.runs))
-        if len(np.unique(labels)) < len(labels)  # some group holds two points
-    }
-    if "cell" in groupings and _one_of(points.runs, points.cells):
-        del groupings["cell"]  # every cell is one run's: a cell's misfit is that run's point noise
+    runs, cells = points.runs, points.cells
+    groupings: dict[str, np.ndarray] = {}
+    if _shared_by_runs(runs, cells):  # else every cell is one run's point, and its misfit that point's noise
+        groupings["cell"] = _one_hot(cells)
+    if len(np.unique(runs)) < len(runs):  # some run holds two horizons
+        groupings["run"] = _one_hot(runs)
     within = np.eye(len(points))
     if groupings:
         within -= _projection(np.hstack(list(groupings.values())))
@@ -146,9 +145,9 @@ def _projection(z: np.ndarray) -> np.ndarray:
     return z @ np.linalg.pinv(z)
 
 
-def _one_of(runs: np.ndarray, cells: np.ndarray) -> bool:
-    """Whether every cell holds points of one run only."""
-    return len(np.unique(np.stack([runs, cells], axis=1), axis=0)) == len(np.unique(cells))
+def _shared_by_runs(runs: np.ndarray, cells: np.ndarray) -> bool:
+    """Whether some cell holds points of two runs (two seeds of one size at one budget)."""
+    return len(np.unique(np.stack([runs, cells], axis=1), axis=0)) > len(np.unique(cells))
 
 
 def _satterthwaite(q_sigma: np.ndarray) -> float:
