@@ -52,6 +52,11 @@ def design_of(recipe_name: str, overrides: list[str]) -> tuple[Design, float]:
     return Design(n, d, run), target_budget(recipe)
 
 
+def as_truth(noise: NoiseModel) -> NoiseModel:
+    """A noise model fitted to a sweep as a simulation's truth: the same variances, known exactly."""
+    return NoiseModel(noise.run_sd, noise.point_sd, cell_sd=noise.cell_sd, shape_sd=noise.shape_sd)
+
+
 def design_seconds(design: Design, results: str | None) -> float | None:
     """What the design's runs would take to train, each priced at the median wall time of the same size's runs in
     `results` (a run's time is its steps, which the size and the budgets fix); None without a table or where it
@@ -110,8 +115,7 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
 
     points = sweep_points(args.results)
     truth = fit_kaplan(points)
-    fitted = kaplan_noise(points, truth)
-    noise = NoiseModel(fitted.run_sd, fitted.point_sd, cell_sd=fitted.cell_sd)
+    noise = as_truth(kaplan_noise(points, truth))
     with ProcessPoolExecutor(args.workers) as pool:
         trials = simulated(pool, args, truth, design, noise, budget, "kaplan")
     coverage, width = summary(trials, list(trials[0]["covered"]))
@@ -125,7 +129,9 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
                 "runs": int(design.run.max()) + 1,
                 "design_seconds": design_seconds(design, args.results),
                 "truth": {k: float(f"{v:.4g}") for k, v in truth.as_dict().items()},
-                "noise": {k: round(getattr(noise, k), 4) for k in ("cell_sd", "run_sd", "point_sd")},
+                "noise": {
+                    k: round(getattr(noise, k), 4) for k in ("shape_sd", "cell_sd", "run_sd", "point_sd")
+                },
                 "sweeps": len(trials),
                 "coverage": coverage,
                 "goal": [0.93, 0.97],
@@ -165,10 +171,7 @@ def main() -> None:
         from flows.scaling import sweep_points
 
         fitted = calibrated_fit(sweep_points(args.results), n_resamples=10)
-        truth, noise = (
-            fitted.fit.law,
-            NoiseModel(fitted.noise.run_sd, fitted.noise.point_sd, cell_sd=fitted.noise.cell_sd),
-        )
+        truth, noise = fitted.fit.law, as_truth(fitted.noise)
     coverage, width, failed = {}, {}, {}
     with ProcessPoolExecutor(args.workers) as pool:
         for method in args.methods:
@@ -193,7 +196,9 @@ def main() -> None:
                 "runs": int(design.run.max()) + 1,
                 "design_seconds": design_seconds(design, args.results),
                 "truth": {k: round(v, 4) for k, v in truth.as_dict().items()},
-                "noise": {k: round(getattr(noise, k), 4) for k in ("cell_sd", "run_sd", "point_sd")},
+                "noise": {
+                    k: round(getattr(noise, k), 4) for k in ("shape_sd", "cell_sd", "run_sd", "point_sd")
+                },
                 "sweeps": args.sweeps,
                 "coverage": coverage,
                 "goal": [0.93, 0.97],

@@ -154,23 +154,21 @@ def kaplan_intervals(
     level: float = 0.95,
     seed: int = 0,
 ) -> KaplanIntervals:
-    """The parametric bootstrap Chinchilla's fit uses (`law_noise`): the cell, run and point noise its residuals
+    """The parametric bootstrap Chinchilla's fit uses (`law_noise`): the shape, cell, run and point noise its residuals
     show (what the five parameters absorb taken out), sweeps redrawn from the law and that noise on the same design,
     each refitted as the law was (`_refit`); a new run adds its own misfit, offset and noise to each resample's
     loss."""
     theta = law.theta()
     noise = kaplan_noise(points, law)
     rng = np.random.default_rng(seed)
-    redrawn = _log_loss(theta, points.n, points.d)[None] + noise.draw(
-        rng, points.runs, n_resamples, points.cells
-    )
+    redrawn = _log_loss(theta, points.n, points.d)[None] + noise.draw(rng, n_resamples, points)
     fitted = []
     for y in redrawn:
         resampled = _refit(points, y, theta)
         if resampled is not None and np.isfinite(resampled.optimal_n(budget)):
             fitted.append(resampled)
     loss = np.array([f.loss(n, d) for f in fitted], dtype=float)
-    run = loss * np.exp(noise.draw(rng, np.zeros(1, int), len(loss))[:, 0])
+    run = loss * np.exp(noise.draw(rng, len(loss))[:, 0])
     n_opt = np.array([f.optimal_n(budget) for f in fitted], dtype=float)
     q = [50 * (1 - level), 50 * (1 + level)]
 
@@ -204,8 +202,8 @@ def _refit(points: ScalingPoints, y: np.ndarray, theta: np.ndarray) -> KaplanLaw
 
 
 def kaplan_noise(points: ScalingPoints, law: KaplanLaw) -> NoiseModel:
-    """The cell, run and point noise of `points` around the law (`residual_noise`: what its five parameters absorb
-    taken out)."""
+    """The shape, cell, run and point noise of `points` around the law (`residual_noise`: what its five
+    parameters absorb taken out)."""
     theta = law.theta()
     residual = np.log(points.loss) - _log_loss(theta, points.n, points.d)
     return residual_noise(points, residual, _log_jacobian(theta, points.n, points.d))

@@ -68,6 +68,12 @@ class ScalingPoints:
         keys = np.stack([self.n, self.budgets()], axis=1)
         return np.unique(keys, axis=0, return_inverse=True)[1].ravel()
 
+    @property
+    def shapes(self) -> np.ndarray:
+        """Each point's shape (its model size N) as an index 0..S−1: the runs of one shape at every budget and seed
+        share whatever the law misses about its depth and width."""
+        return np.unique(self.n, return_inverse=True)[1].ravel()
+
     def subset(self, mask: np.ndarray) -> ScalingPoints:
         run = None if self.run is None else self.run[mask]
         return ScalingPoints(

@@ -437,11 +437,15 @@ def headline(fit: ScalingFit) -> str:
     ]
     if fit.noise:
         noise = fit.noise_model()
-        misfit = (
-            f"the law misses each size at each budget by {noise.cell_sd:.2%} (shared by its seeds), "
-            if noise.cell_sd
-            else ""
+        misses = (
+            [f"each shape by {noise.shape_sd:.2%} (shared by its budgets and seeds)"]
+            if noise.shape_sd
+            else []
         )
+        if noise.cell_sd:
+            more = "another " if misses else ""
+            misses.append(f"each shape at each budget by {more}{noise.cell_sd:.2%} (shared by its seeds)")
+        misfit = f"the law misses {' and '.join(misses)}, " if misses else ""
         lines.append(
             f"  {misfit}runs scatter around the law by {noise.run_sd:.2%} (shared by a run's horizons) and "
             f"{noise.point_sd:.2%} per point (log loss); Huber threshold {fit.huber_delta:.3g}"

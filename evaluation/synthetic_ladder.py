@@ -1,7 +1,7 @@
 """Sweeps drawn from a known law, to measure whether the fit's intervals cover the truth as often as they say.
 
 A design is a sweep's (N, D) points and which run each belongs to (lmforge's multi-horizon runs give one point per
-budget); a simulated sweep is the law at every point times the noise model's run offsets and point noise. For each
+budget); a simulated sweep is the law at every point times the noise model's misfits, run offsets and point noise. For each
 simulated sweep the fit, its intervals and the rung's prediction are checked against the law that made it.
 """
 
@@ -34,10 +34,10 @@ class Design:
 
 
 def simulate(law: PointLaw, design: Design, noise: NoiseModel, rng: np.random.Generator) -> ScalingPoints:
-    """One sweep: the law at every point with a misfit shared by each (size, budget) cell's runs, an offset
-    shared by each run's points and noise per point."""
+    """One sweep: the law at every point with a misfit shared by each shape's runs, one by each (shape, budget)
+    cell's runs, an offset shared by each run's points and noise per point."""
     exact = design.points(law.loss(design.n, design.d))
-    return replace(exact, loss=exact.loss * np.exp(noise.draw(rng, exact.runs, 1, exact.cells)[0]))
+    return replace(exact, loss=exact.loss * np.exp(noise.draw(rng, 1, exact)[0]))
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def run_trial(
     n_rung = float(law.optimal_n(budget))
     d_rung = budget / (6.0 * n_rung)
     law_loss = float(truth.loss(n_rung, d_rung))
-    run_loss = law_loss * float(np.exp(noise.draw(rng, np.zeros(1, int), 1)[0, 0]))
+    run_loss = law_loss * float(np.exp(noise.draw(rng, 1)[0, 0]))
     lo_c, hi_c = (float(v[0]) for v in intervals_at(est, n_rung, d_rung))
     lo_p, hi_p = prediction_interval(est, fitted.noise, n_rung, d_rung, seed=int(rng.integers(2**31)))
     bounds = {
@@ -116,7 +116,7 @@ def run_kaplan_trial(
     d_rung = budget / (6.0 * n_rung)
     got = kaplan_intervals(points, law, n_rung, d_rung, budget, n_resamples, seed=int(rng.integers(2**31)))
     law_loss = float(truth.loss(n_rung, d_rung))
-    run_loss = law_loss * float(np.exp(noise.draw(rng, np.zeros(1, int), 1)[0, 0]))
+    run_loss = law_loss * float(np.exp(noise.draw(rng, 1)[0, 0]))
     bounds = {**got.exponents, "n_opt": got.n_opt, "rung_law": got.loss, "rung_run": got.run}
     values = {**{k: getattr(truth, k) for k in got.exponents}, "n_opt": n_true, "rung_law": law_loss}
     values["rung_run"] = run_loss

@@ -64,8 +64,9 @@ log = logging.getLogger(__name__)
 # 2: noise-model intervals; 3: the curve law, the rung's curve; 4: that curve pinned; 5: Kaplan's form beside;
 # 6: the curve anchored to the point law at every evaluation; 7: Kaplan's intervals; 8: the form chosen; 9: Kaplan's
 # resamples refitted from several starts; 10: the rung's shape by its offset from the law (evaluation/shape_offsets.py);
-# 11: the held-out gap between the forms; 12: the law's misfit per (size, budget) cell in the noise model
-FIT_VERSION = 12
+# 11: the held-out gap between the forms; 12: the law's misfit per (size, budget) cell in the noise model; 13: and
+# per shape, across budgets
+FIT_VERSION = 13
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
