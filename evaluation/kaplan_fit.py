@@ -154,10 +154,10 @@ def kaplan_intervals(
     level: float = 0.95,
     seed: int = 0,
 ) -> KaplanIntervals:
-    """The parametric bootstrap Chinchilla's fit uses (`law_noise`): the shape, cell, run and point noise its residuals
-    show (what the five parameters absorb taken out), sweeps redrawn from the law and that noise on the same design,
-    each refitted as the law was (`_refit`); a new run adds its own misfit, offset and noise to each resample's
-    loss."""
+    """The parametric bootstrap Chinchilla's fit uses (`law_noise`): the shape, cell, run and point noise its
+    residuals show (what the five parameters absorb taken out), sweeps redrawn from the law and that noise on the
+    same design, each refitted as the law was (`_refit`); a new run adds its own misfits, offset and noise to each
+    resample's loss."""
     theta = law.theta()
     noise = kaplan_noise(points, law)
     rng = np.random.default_rng(seed)

@@ -3,11 +3,11 @@
 In log loss, a point is the law plus the law's misfit at its shape (shared by every budget's and seed's runs of that
 depth and width: the law sees only N), plus its misfit at the (shape, budget) cell (shared by every seed's run there),
 plus a run's own offset (shared by every horizon of a multi-horizon run: its seed, its stable phase) plus independent
-noise per point. More seeds average away neither misfit. The variances are
-estimated by the method of moments on the fit's residuals, with what the fit itself absorbs taken out (the residuals
-of a 5-parameter fit to 21 points are smaller than the noise). The parametric bootstrap then redraws whole sweeps
-from that model around the fit and refits each: its spread of laws is the confidence interval of the law; a new run
-at a new shape or budget adds its own misfits, offset and noise on top (the prediction interval).
+noise per point. More seeds average away neither misfit. The variances are estimated by the method of moments on
+the fit's residuals, with what the fit itself absorbs taken out (the residuals of a 5-parameter fit to 21 points
+are smaller than the noise). The parametric bootstrap then redraws whole sweeps from that model around the fit and
+refits each: its spread of laws is the confidence interval of the law; a new run at a new shape or budget adds its
+own misfits, offset and noise on top (the prediction interval).
 """
 
 from __future__ import annotations

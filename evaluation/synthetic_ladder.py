@@ -1,8 +1,8 @@
 """Sweeps drawn from a known law, to measure whether the fit's intervals cover the truth as often as they say.
 
 A design is a sweep's (N, D) points and which run each belongs to (lmforge's multi-horizon runs give one point per
-budget); a simulated sweep is the law at every point times the noise model's misfits, run offsets and point noise. For each
-simulated sweep the fit, its intervals and the rung's prediction are checked against the law that made it.
+budget); a simulated sweep is the law at every point times the noise model's misfits, run offsets and point noise.
+For each simulated sweep the fit, its intervals and the rung's prediction are checked against the law that made it.
 """
 
 from __future__ import annotations
