@@ -57,6 +57,11 @@ def as_truth(noise: NoiseModel) -> NoiseModel:
     return NoiseModel(noise.run_sd, noise.point_sd, cell_sd=noise.cell_sd, shape_sd=noise.shape_sd)
 
 
+def noise_json(noise: NoiseModel) -> dict[str, float]:
+    """The truth's standard deviations, as the JSON line reports them."""
+    return {k: round(getattr(noise, k), 4) for k in ("shape_sd", "cell_sd", "run_sd", "point_sd")}
+
+
 def design_seconds(design: Design, results: str | None) -> float | None:
     """What the design's runs would take to train, each priced at the median wall time of the same size's runs in
     `results` (a run's time is its steps, which the size and the budgets fix); None without a table or where it
@@ -129,9 +134,7 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
                 "runs": int(design.run.max()) + 1,
                 "design_seconds": design_seconds(design, args.results),
                 "truth": {k: float(f"{v:.4g}") for k, v in truth.as_dict().items()},
-                "noise": {
-                    k: round(getattr(noise, k), 4) for k in ("shape_sd", "cell_sd", "run_sd", "point_sd")
-                },
+                "noise": noise_json(noise),
                 "sweeps": len(trials),
                 "coverage": coverage,
                 "goal": [0.93, 0.97],
@@ -196,9 +199,7 @@ def main() -> None:
                 "runs": int(design.run.max()) + 1,
                 "design_seconds": design_seconds(design, args.results),
                 "truth": {k: round(v, 4) for k, v in truth.as_dict().items()},
-                "noise": {
-                    k: round(getattr(noise, k), 4) for k in ("shape_sd", "cell_sd", "run_sd", "point_sd")
-                },
+                "noise": noise_json(noise),
                 "sweeps": args.sweeps,
                 "coverage": coverage,
                 "goal": [0.93, 0.97],
