@@ -34,15 +34,19 @@ def wide_design(runs: int = 40, horizons: int = 4) -> Design:
     return Design(np.repeat(n, horizons), d.ravel(), np.repeat(np.arange(runs), horizons))
 
 
+def estimates(design: Design, given: NoiseModel, rng: np.random.Generator, sweeps: int) -> list[NoiseModel]:
+    """The noise model estimated on `sweeps` sweeps simulated from TRUTH and `given` (each fit started at the truth)."""
+    found = []
+    for _ in range(sweeps):
+        points = simulate(TRUTH, design, given, rng)
+        found.append(estimate_noise(points, fit_law(points, starts=TRUTH.theta()).law))
+    return found
+
+
 def test_the_noise_model_recovers_run_offsets_and_point_noise() -> None:
     """Fitted law, residuals, method of moments: on average the two standard deviations come back (within 10%),
     and the degrees of freedom say how well each is pinned (~ runs for the offsets, ~ points for the noise)."""
-    design, given = wide_design(), NoiseModel(0.03, 0.01)
-    rng = np.random.default_rng(0)
-    found = []
-    for _ in range(8):
-        points = simulate(TRUTH, design, given, rng)
-        found.append(estimate_noise(points, fit_law(points, starts=TRUTH.theta()).law))
+    found = estimates(wide_design(), NoiseModel(0.03, 0.01), np.random.default_rng(0), 8)
     assert np.sqrt(np.mean([f.run_sd**2 for f in found])) == pytest.approx(0.03, rel=0.1)
     assert np.sqrt(np.mean([f.point_sd**2 for f in found])) == pytest.approx(0.01, rel=0.1)
     assert 20 < np.median([f.run_df for f in found]) < 40  # 40 runs, less what the fit absorbs
@@ -63,16 +67,11 @@ def test_the_noise_model_tells_the_laws_misfit_per_cell_from_the_seeds_scatter()
     """Four seeds of the demo's design, the law missing each (size, budget) cell by 1.2% (the same for every seed),
     runs scattering 1% and points 0.5%: the three come back (within 20% on average). With one seed a cell is one
     run's point, and its misfit is counted as point noise."""
-    design, given = seeded(DEMO, 4), NoiseModel(0.01, 0.005, cell_sd=0.012)
-    rng = np.random.default_rng(4)
-    found = []
-    for _ in range(8):
-        points = simulate(TRUTH, design, given, rng)
-        found.append(estimate_noise(points, fit_law(points, starts=TRUTH.theta()).law))
+    given, rng = NoiseModel(0.01, 0.005, cell_sd=0.012), np.random.default_rng(4)
+    found = estimates(seeded(DEMO, 4), given, rng, 8)
     for name, value in (("cell_sd", 0.012), ("run_sd", 0.01), ("point_sd", 0.005)):
         assert np.sqrt(np.mean([getattr(f, name) ** 2 for f in found])) == pytest.approx(value, rel=0.2), name
-    one_seed = simulate(TRUTH, DEMO, given, rng)
-    alone = estimate_noise(one_seed, fit_law(one_seed, starts=TRUTH.theta()).law)
+    (alone,) = estimates(DEMO, given, rng, 1)
     assert alone.cell_sd == 0 and alone.point_sd > 0
 
 
@@ -81,18 +80,13 @@ def test_the_noise_model_tells_a_shapes_misfit_from_its_cells() -> None:
     by 0.8% more (as on the demo's ten-seed sweep, where the shapes' depths and widths differ), runs scattering 1%
     and points 0.5%: all four come back (within 25% on average; seven shapes pin their variance loosely, with ~4
     degrees of freedom). With one seed a shape is one multi-horizon run, and its misfit is counted as the run's."""
-    design, given = seeded(DEMO, 4), NoiseModel(0.01, 0.005, cell_sd=0.008, shape_sd=0.012)
-    rng = np.random.default_rng(6)
-    found = []
-    for _ in range(16):
-        points = simulate(TRUTH, design, given, rng)
-        found.append(estimate_noise(points, fit_law(points, starts=TRUTH.theta()).law))
+    given, rng = NoiseModel(0.01, 0.005, cell_sd=0.008, shape_sd=0.012), np.random.default_rng(6)
+    found = estimates(seeded(DEMO, 4), given, rng, 16)
     for name in ("shape_sd", "cell_sd", "run_sd", "point_sd"):
         rms = np.sqrt(np.mean([getattr(f, name) ** 2 for f in found]))
         assert rms == pytest.approx(getattr(given, name), rel=0.25), name
     assert 2 < np.median([f.shape_df for f in found]) < 7
-    one_seed = simulate(TRUTH, DEMO, given, rng)
-    alone = estimate_noise(one_seed, fit_law(one_seed, starts=TRUTH.theta()).law)
+    (alone,) = estimates(DEMO, given, rng, 1)
     assert alone.shape_sd == 0 and alone.run_sd > 0
 
 
