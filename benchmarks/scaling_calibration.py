@@ -5,7 +5,8 @@ model (a run offset shared by a run's horizons plus noise per point), by default
 those fitted to a sweep's results table (`--results`). Each simulated sweep is fitted as `lmforge fit` fits
 (`calibrated_fit`) and its intervals are checked: α, β, N* at the target budget, and the rung's loss at the fitted
 optimum (the law's value, for the confidence interval; a new run's loss, for the prediction interval). Goal:
-93-97% coverage for the default method. Also: Approach 2's and Approach 3's N* error on noise-free data. With
+93-97% coverage for the default method; `truth_below` says on which side the misses fell (all on one side: the
+estimate is biased, and a wider interval would not be the fix). Also: Approach 2's and Approach 3's N* error on noise-free data. With
 `--form kaplan` the same for Kaplan's form (`evaluation/kaplan_fit.py`), its law and noise fitted to `--results`.
 With `--results`, `design_seconds` prices the design (`--recipe`, `--set`) at that sweep's measured time per run of
 each size: what a design would cost and how narrow its intervals would be, before it trains.
@@ -106,11 +107,18 @@ def simulated(
     return [t for chunk in pool.map(_chunk, jobs) for t in chunk][: args.sweeps]
 
 
-def summary(trials: list[dict], keys: Sequence[str]) -> tuple[dict[str, float], dict[str, float]]:
-    """How often each quantity's interval held the truth over the trials, and its median width."""
-    coverage = {k: round(float(np.mean([t["covered"][k] for t in trials])), 3) for k in keys}
+def summary(
+    trials: list[dict], keys: Sequence[str]
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """How often each quantity's interval held the truth over the trials, how often the truth lay below it (the
+    rest of the misses lay above: misses on one side are a biased estimate, not a narrow interval) and its
+    median width."""
+    coverage, below = (
+        {k: round(float(np.mean([t[side][k] for t in trials])), 3) for k in keys}
+        for side in ("covered", "below")
+    )
     width = {k: round(float(np.nanmedian([t["width"][k] for t in trials])), 4) for k in keys}
-    return coverage, width
+    return coverage, below, width
 
 
 def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: float) -> None:
@@ -123,7 +131,7 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
     noise = as_truth(kaplan_noise(points, truth))
     with ProcessPoolExecutor(args.workers) as pool:
         trials = simulated(pool, args, truth, design, noise, budget, "kaplan")
-    coverage, width = summary(trials, list(trials[0]["covered"]))
+    coverage, below, width = summary(trials, list(trials[0]["covered"]))
     print(
         json.dumps(
             {
@@ -137,6 +145,7 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
                 "noise": noise_json(noise),
                 "sweeps": len(trials),
                 "coverage": coverage,
+                "truth_below": below,
                 "goal": [0.93, 0.97],
                 "median_width": width,
                 "n_opt_error_median_abs": round(
@@ -175,11 +184,11 @@ def main() -> None:
 
         fitted = calibrated_fit(sweep_points(args.results), n_resamples=10)
         truth, noise = fitted.fit.law, as_truth(fitted.noise)
-    coverage, width, failed = {}, {}, {}
+    coverage, below, width, failed = {}, {}, {}, {}
     with ProcessPoolExecutor(args.workers) as pool:
         for method in args.methods:
             trials = simulated(pool, args, truth, design, noise, budget, method)
-            coverage[method], width[method] = summary(trials, QUANTITIES)
+            coverage[method], below[method], width[method] = summary(trials, QUANTITIES)
             # a sweep whose every refit ran off has no interval: it counts as a miss
             failed[method] = sum(not np.isfinite(t["width"]["alpha"]) for t in trials)
             if method == args.methods[0]:
@@ -202,6 +211,7 @@ def main() -> None:
                 "noise": noise_json(noise),
                 "sweeps": args.sweeps,
                 "coverage": coverage,
+                "truth_below": below,
                 "goal": [0.93, 0.97],
                 "median_width": width,
                 "no_interval": failed,

@@ -42,10 +42,13 @@ def simulate(law: PointLaw, design: Design, noise: NoiseModel, rng: np.random.Ge
 
 @dataclass(frozen=True)
 class Trial:
-    """One simulated sweep's fit against the truth: for each quantity, whether its 95% interval held the truth,
-    and the fit's N* error (Approach 3 and Approach 2) against the analytic optimum."""
+    """One simulated sweep's fit against the truth: for each quantity, whether its 95% interval held the truth
+    and whether the truth lay below it, and the fit's N* error (Approach 3 and Approach 2) against the analytic
+    optimum."""
 
     covered: dict[str, bool]
+    # the truth below the interval: misses all on one side say the estimate is biased, not the interval narrow
+    below: dict[str, bool]
     width: dict[
         str, float
     ]  # relative widths (hi / lo for N*, hi − lo for exponents, (hi − lo) / truth for losses)
@@ -90,13 +93,13 @@ def run_trial(
         "rung_law": law_loss,
         "rung_run": run_loss,
     }
-    covered, width = scored(bounds, values, law_loss)
+    covered, below, width = scored(bounds, values, law_loss)
     try:
         iso = fit_parabolas(points)
         a2 = float(iso.n_opt(budget)) / n_true - 1 if iso.n_opt and not iso.skipped else None
     except ScalingDataError:
         a2 = None
-    return Trial(covered, width, n_rung / n_true - 1, a2)
+    return Trial(covered, below, width, n_rung / n_true - 1, a2)
 
 
 def run_kaplan_trial(
@@ -125,12 +128,14 @@ def run_kaplan_trial(
 
 def scored(
     bounds: dict[str, tuple[float, float]], values: dict[str, float], law_loss: float
-) -> tuple[dict[str, bool], dict[str, float]]:
-    """Whether each 95% interval holds its true value, and its width: high / low for N*, relative to the law's
-    loss at the rung for the rung's losses (`rung_law`, `rung_run`), high − low for an exponent."""
+) -> tuple[dict[str, bool], dict[str, bool], dict[str, float]]:
+    """Whether each 95% interval holds its true value, whether the value lies below it, and its width: high / low
+    for N*, relative to the law's loss at the rung for the rung's losses (`rung_law`, `rung_run`), high − low for
+    an exponent."""
     covered = {k: bool(lo <= values[k] <= hi) for k, (lo, hi) in bounds.items()}
+    below = {k: bool(values[k] < lo) for k, (lo, _) in bounds.items()}
     width = {
         k: hi / lo if k == "n_opt" else (hi - lo) / law_loss if k.startswith("rung_") else hi - lo
         for k, (lo, hi) in bounds.items()
     }
-    return covered, width
+    return covered, below, width

@@ -9,7 +9,7 @@ import pytest
 
 from evaluation.chinchilla_fit import Law, fit_law
 from evaluation.law_noise import NoiseModel, calibrated_fit, estimate_noise, prediction_interval
-from evaluation.synthetic_ladder import Design, run_trial, simulate
+from evaluation.synthetic_ladder import Design, run_trial, scored, simulate
 
 TRUTH = Law(E=1.72, A=2665.0, B=2223.0, alpha=0.815, beta=0.563)
 # The demo's sweep (configs/demo.yaml): 7 sizes, each one WSD run with horizons at 2e11, 4e11 and 8e11 FLOPs.
@@ -126,6 +126,17 @@ def test_intervals_cover_the_truth_on_simulated_demo_sweeps() -> None:
     trials = [run_trial(TRUTH, DEMO, NoiseModel(0.03, 0.01), 2.4e12, "noise", rng, 300) for _ in range(30)]
     covered = {q: sum(t.covered[q] for t in trials) for q in trials[0].covered}
     assert min(covered.values()) >= 27, covered
+
+
+def test_a_miss_says_on_which_side_of_the_interval_the_truth_lay() -> None:
+    """Misses all below an interval are a biased estimate (Kaplan's exponents where its E sits at 0: every miss
+    of 100 simulated sweeps), not a narrow interval: each trial records the side with the miss."""
+    bounds = {"alpha": (0.3, 0.5), "beta": (0.3, 0.5), "n_opt": (1e5, 2e5), "rung_law": (2.2, 2.4)}
+    values = {"alpha": 0.25, "beta": 0.55, "n_opt": 1.5e5, "rung_law": 2.1}
+    covered, below, width = scored(bounds, values, 2.3)
+    assert covered == {"alpha": False, "beta": False, "n_opt": True, "rung_law": False}
+    assert below == {"alpha": True, "beta": False, "n_opt": False, "rung_law": True}
+    assert width == pytest.approx({"alpha": 0.2, "beta": 0.2, "n_opt": 2.0, "rung_law": 0.2 / 2.3})
 
 
 def test_more_seeds_do_not_narrow_the_intervals_past_the_laws_misfit() -> None:
