@@ -6,10 +6,11 @@ those fitted to a sweep's results table (`--results`). Each simulated sweep is f
 (`calibrated_fit`) and its intervals are checked: α, β, N* at the target budget, and the rung's loss at the fitted
 optimum (the law's value, for the confidence interval; a new run's loss, for the prediction interval). Goal:
 93-97% coverage for the default method; `truth_below` says on which side the misses fell (all on one side: the
-estimate is biased, and a wider interval would not be the fix). Also: Approach 2's and Approach 3's N* error on noise-free data. With
-`--form kaplan` the same for Kaplan's form (`evaluation/kaplan_fit.py`), its law and noise fitted to `--results`.
-With `--results`, `design_seconds` prices the design (`--recipe`, `--set`) at that sweep's measured time per run of
-each size: what a design would cost and how narrow its intervals would be, before it trains.
+estimate is biased, and a wider interval would not be the fix). Also: Approach 2's and Approach 3's N* error on
+noise-free data. With `--form kaplan` the same for Kaplan's form (`evaluation/kaplan_fit.py`), its law and noise
+fitted to `--results`. With `--results`, `design_seconds` prices the design (`--recipe`, `--set`) at that sweep's
+measured time per run of each size: what a design would cost and how narrow its intervals would be, before it
+trains.
 
     .venv/bin/python benchmarks/scaling_calibration.py [--sweeps 200] [--results outputs/sweep/.../results.parquet]
         [--form kaplan]
