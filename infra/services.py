@@ -48,14 +48,31 @@ class ServiceError(UserError):
 
 @dataclass
 class Running:
-    """A service `up` started: `pid` leads its own process group, `started` is its create time (so a recycled
-    PID is never signalled)."""
+    """A service `up` started: `pid` leads its own process group, `started` is its create time and `since_boot`
+    the same counted from the machine's boot (so a recycled PID is never signalled)."""
 
     name: str
     pid: int
     url: str
     log: str
     started: float = 0.0
+    since_boot: float = 0.0
+
+    @classmethod
+    def of(cls, name: str, pid: int, url: str, log: str) -> Running:
+        """The record of the process `pid`, just started."""
+        proc = psutil.Process(pid)
+        return cls(name, pid, url, log, proc.create_time(), proc.create_time() - psutil.boot_time())
+
+    def is_process(self, proc: psutil.Process) -> bool:
+        """Whether `proc` is the process recorded, not another one given its PID since: by its start counted from
+        boot, which clock adjustments do not move. A create time in epoch seconds is boot time plus ticks, and the
+        kernel's boot time moves with the clock (NTP; a VM catching up after a pause: 25 s within ten minutes on a
+        CI host); matched to 1 ms, it took live services for recycled PIDs and `stop` left them running. Records
+        without `since_boot` match on the epoch start, within a second."""
+        if self.since_boot:
+            return abs(proc.create_time() - psutil.boot_time() - self.since_boot) < 1.0
+        return not self.started or abs(proc.create_time() - self.started) < 1.0
 
 
 def is_loopback(host: str) -> bool:
@@ -328,7 +345,7 @@ def _spawn(
     log = state_dir / f"{name}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    running = Running(name, proc.pid, url, str(log), psutil.Process(proc.pid).create_time())
+    running = Running.of(name, proc.pid, url, str(log))
     try:
         wait_healthy(url + health, proc, log, headers=headers)
     except BaseException:
@@ -341,8 +358,7 @@ def members(running: Running) -> list[psutil.Process]:
     """The live processes of `running`'s process group, if its leader is still the process we started (a
     recycled PID is left alone)."""
     try:
-        leader = psutil.Process(running.pid)
-        if running.started and abs(leader.create_time() - running.started) > 1e-3:
+        if not running.is_process(psutil.Process(running.pid)):
             return []
     except psutil.NoSuchProcess:
         pass  # the leader may exit before its group: the group id stays ours while members live

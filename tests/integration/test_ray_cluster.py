@@ -136,7 +136,7 @@ def _start(cmd: list[str], env: dict[str, str], temp: str, name: str) -> Running
     log = Path(temp) / f"{name}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return Running(name, proc.pid, "", str(log), psutil.Process(proc.pid).create_time())
+    return Running.of(name, proc.pid, "", str(log))
 
 
 def _alive_nodes(address: str) -> list[dict]:

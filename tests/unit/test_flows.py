@@ -190,8 +190,6 @@ def test_up_starts_services_side_by_side_and_a_failure_stops_every_one_that_star
     import threading
     import time
 
-    import psutil
-
     from flows.cli import main
     from infra import services
 
@@ -203,9 +201,7 @@ def test_up_starts_services_side_by_side_and_a_failure_stops_every_one_that_star
             proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
             started.append(proc)
             both_running.wait()
-            return services.Running(
-                name, proc.pid, f"http://{name}", "", psutil.Process(proc.pid).create_time()
-            )
+            return services.Running.of(name, proc.pid, f"http://{name}", "")
 
         return start
 

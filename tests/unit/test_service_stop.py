@@ -3,6 +3,7 @@ order, and a process born during the shutdown is not left behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from infra.services import Running, members, stop_all
+from infra.services import Running, members, stop, stop_all
 
 # One script, three roles. "gcs" exits on SIGTERM. "raylet" shuts down gracefully on SIGTERM only while its gcs
 # still runs (Ray's raylet waited out the whole grace period once its GCS had died first); a clean exit writes
@@ -64,7 +65,7 @@ def _start(tmp_path: Path, *spawn: str) -> Running:
     while not all((tmp_path / f"{role}.ready").exists() for role in ("leader", "gcs", "raylet")):
         assert time.monotonic() < deadline, "the service did not start"
         time.sleep(0.05)
-    return Running("ray", proc.pid, "", "", psutil.Process(proc.pid).create_time())
+    return Running.of("ray", proc.pid, "", "")
 
 
 def _alive(running: Running) -> list[psutil.Process]:
@@ -83,3 +84,21 @@ def test_a_process_born_during_the_shutdown_is_stopped_too(tmp_path: Path) -> No
     stop_all([running], timeout=2.5)
     assert (tmp_path / "leader.clean").exists()
     assert not _alive(running)
+
+
+def test_a_service_is_known_by_its_start_from_boot_when_the_clock_moves(tmp_path: Path) -> None:
+    """A record whose epoch start is 25 s off (what a clock adjustment leaves: the kernel's boot time moved that far
+    within ten minutes on a CI host) still names its process and `stop` stops the whole group; a record whose start
+    from boot is another process's (a recycled PID) names nothing and stops nothing."""
+    running = _start(tmp_path)
+    try:
+        recycled = dataclasses.replace(running, since_boot=running.since_boot - 100.0)
+        assert members(recycled) == []
+        stop(recycled, timeout=1)
+        assert len(_alive(running)) == 3
+        moved = dataclasses.replace(running, started=running.started + 25.0)
+        assert len(members(moved)) == 3
+        stop(moved, timeout=10)
+        assert _alive(running) == []
+    finally:
+        stop(running, timeout=1)
