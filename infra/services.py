@@ -62,7 +62,7 @@ class Running:
     def of(cls, name: str, pid: int, url: str, log: str) -> Running:
         """The record of the process `pid`, just started."""
         proc = psutil.Process(pid)
-        return cls(name, pid, url, log, proc.create_time(), proc.create_time() - psutil.boot_time())
+        return cls(name, pid, url, log, proc.create_time(), _since_boot(proc))
 
     def is_process(self, proc: psutil.Process) -> bool:
         """Whether `proc` is the process recorded, not another one given its PID since: by its start counted from
@@ -71,8 +71,14 @@ class Running:
         CI host); matched to 1 ms, it took live services for recycled PIDs and `stop` left them running. Records
         without `since_boot` match on the epoch start, within a second."""
         if self.since_boot:
-            return abs(proc.create_time() - psutil.boot_time() - self.since_boot) < 1.0
+            return abs(_since_boot(proc) - self.since_boot) < 1.0
         return not self.started or abs(proc.create_time() - self.started) < 1.0
+
+
+def _since_boot(proc: psutil.Process) -> float:
+    """When `proc` started, in seconds after the machine's boot (its epoch create time less the boot time, both read
+    now, so a clock adjustment between its start and now cancels)."""
+    return proc.create_time() - psutil.boot_time()
 
 
 def is_loopback(host: str) -> bool:
