@@ -25,8 +25,9 @@ class Engine(Protocol):
     accumulation_steps: int
     device: torch.device
 
-    def forward(self, batch: Batch, with_loss: bool = True) -> ModelOutput:
-        """Logits of the batch's inputs, and (`with_loss`) the mean cross-entropy over its targets."""
+    def forward(self, batch: Batch, with_loss: bool = True, logits_grad: bool = True) -> ModelOutput:
+        """Logits of the batch's inputs, and (`with_loss`) the mean cross-entropy over its targets; with
+        `logits_grad=False` only the loss is differentiable (`Transformer.forward`)."""
         ...
 
     def backward(self, loss: Tensor) -> None: ...
@@ -73,9 +74,9 @@ class PlainEngine:
         self.accumulation_steps, self.grad_clip = accumulation_steps, grad_clip
         self.device = next(module.parameters()).device
 
-    def forward(self, batch: Batch, with_loss: bool = True) -> ModelOutput:
+    def forward(self, batch: Batch, with_loss: bool = True, logits_grad: bool = True) -> ModelOutput:
         targets = batch.targets.to(self.device) if with_loss else None
-        return self.module(batch.inputs.to(self.device), targets=targets)
+        return self.module(batch.inputs.to(self.device), targets=targets, logits_grad=logits_grad)
 
     def backward(self, loss: Tensor) -> None:
         (loss / self.accumulation_steps).backward()

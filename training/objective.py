@@ -43,5 +43,5 @@ class TokenCrossEntropy:
         return batch.n_targets()
 
     def __call__(self, engine: Engine, batch: Batch) -> Outcome:
-        out = engine.forward(batch)
+        out = engine.forward(batch, logits_grad=False)  # the loss alone is differentiated
         return Outcome(loss=out.ce_loss, aux_loss=out.aux_loss, router_stats=out.router_stats)

@@ -107,6 +107,37 @@ def test_chunked_cross_entropy_is_torchs_on_fp32_logits(dtype: torch.dtype, monk
     assert fused.IGNORE_INDEX == IGNORE_INDEX  # the loader's padding value
 
 
+def test_a_loss_only_forward_returns_detached_logits_and_the_same_gradients() -> None:
+    """`logits_grad=False`, the token objective's forward: the logits come back detached and the loss and every
+    gradient are as with differentiable logits, eager and with the head and loss compiled in bf16 (where the
+    region's backward then takes no zero-filled gradient the size of the logits)."""
+    from data_pipeline.loader import Batch
+    from training.objective import TokenCrossEntropy
+
+    x = tokens(2, 16)
+    for compiled in (False, True):
+        model = Transformer(DENSE).to(torch.bfloat16)
+        if compiled:
+            model.logits_and_loss = torch.compile(model.logits_and_loss, dynamic=False)
+        results = {}
+        for logits_grad in (True, False):
+            out = model(x[:, :-1], targets=x[:, 1:], logits_grad=logits_grad)
+            assert out.logits.requires_grad == logits_grad
+            results[logits_grad] = (out.loss, torch.autograd.grad(out.loss, list(model.parameters())))
+        torch.testing.assert_close(results[False][0], results[True][0], rtol=0, atol=0)
+        for loss_only, both in zip(results[False][1], results[True][1], strict=True):
+            torch.testing.assert_close(loss_only, both, rtol=0, atol=0)
+
+    class Recording:  # an engine that remembers what the objective asked of its forward
+        def forward(self, batch: Batch, with_loss: bool = True, logits_grad: bool = True):
+            self.logits_grad = logits_grad
+            return model(batch.inputs, targets=batch.targets, logits_grad=logits_grad)
+
+    engine = Recording()
+    TokenCrossEntropy()(engine, Batch(x[:, :-1], x[:, 1:]))  # type: ignore[arg-type]
+    assert engine.logits_grad is False
+
+
 def test_cross_entropy_chunks_fit_a_cpus_cache_and_are_few_elsewhere() -> None:
     """At a 50k vocabulary a CPU's chunk is 10 rows (2 MiB of fp32); on another device (here the meta one) 1,342
     rows (256 MiB): a few large chunks, not hundreds of kernel launches."""

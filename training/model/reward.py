@@ -31,7 +31,11 @@ class RewardModel(nn.Module):
             values = torch.empty(self.score.weight.shape).normal_(0.0, lm.cfg.init_std, generator=generator)
             self.score.weight.copy_(values)
 
-    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> ModelOutput:
+    def forward(
+        self, tokens: Tensor, targets: Tensor | None = None, logits_grad: bool = True
+    ) -> ModelOutput:
+        """The engines' call (`training/engine.py`); a reward model has no next-token loss: `targets` and
+        `logits_grad` change nothing."""
         hidden, stats = self.model(tokens)
         last = last_token(tokens, self.pad_id)
         rewards = self.score(hidden[torch.arange(tokens.shape[0], device=tokens.device), last])  # (B, 1)
