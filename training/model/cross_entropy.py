@@ -69,9 +69,10 @@ class _TokenCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         logits, lse, target, carries = ctx.saved_tensors
         scale = torch.where(carries, grad, 0.0)[:, None]  # (R, 1)
-        if torch.compiler.is_compiling():  # one element-wise pass, then each row's target entry minus one: the
-            # one-hot subtracted from the fp32 softmax made Inductor write it out and read it back (vocab 8,192,
-            # 1,024 rows: this backward 9.2 -> 3.7 ms; an int64 arange compared in the pass 9.2 -> 9.7 ms)
+        # compiled: one element-wise pass, then each row's target entry minus one; the one-hot subtracted from the
+        # fp32 softmax made Inductor write it out and read it back (vocab 8,192, 1,024 rows: this backward 9.2 ->
+        # 3.7 ms; with the one-hot an int64 arange compared inside the pass, 9.7 ms)
+        if torch.compiler.is_compiling():
             out = ((logits.float() - lse[:, None]).exp() * scale).to(logits.dtype)
             rows = torch.arange(logits.shape[0], device=logits.device)
             picked = (logits[rows, target].float() - lse).exp()

@@ -31,9 +31,7 @@ class RewardModel(nn.Module):
             values = torch.empty(self.score.weight.shape).normal_(0.0, lm.cfg.init_std, generator=generator)
             self.score.weight.copy_(values)
 
-    def forward(
-        self, tokens: Tensor, targets: Tensor | None = None, logits_grad: bool = True
-    ) -> ModelOutput:
+    def forward(self, tokens: Tensor, targets: Tensor | None = None, logits_grad: bool = True) -> ModelOutput:
         """The engines' call (`training/engine.py`); a reward model has no next-token loss: `targets` and
         `logits_grad` change nothing."""
         hidden, stats = self.model(tokens)
