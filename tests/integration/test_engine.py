@@ -97,8 +97,8 @@ class NonFiniteAt(Transformer):
     poisoned: set[int] = set()
     calls = 0
 
-    def forward(self, tokens, targets=None, cache=None) -> ModelOutput:  # noqa: ANN001
-        out = super().forward(tokens, targets, cache)
+    def forward(self, tokens, targets=None, cache=None, logits_grad=True) -> ModelOutput:  # noqa: ANN001
+        out = super().forward(tokens, targets, cache, logits_grad)
         NonFiniteAt.calls += 1
         if targets is not None and NonFiniteAt.calls in NonFiniteAt.poisoned:
             out.ce_loss = out.ce_loss * float("nan")  # what the loop's objective is built from
