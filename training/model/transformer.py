@@ -187,10 +187,13 @@ def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> 
     repeat = q.shape[1] // k.shape[1]
     if repeat > 1:  # each kv head serves its group of query heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    T = q.shape[2]
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(diagonal=1)
+    positions = torch.arange(q.shape[2], device=q.device)
     scores = (q @ k.transpose(-2, -1)).float() * scale
-    return scores.masked_fill(future, float("-inf")).softmax(dim=-1).to(q.dtype) @ v
+    # the causal mask as a comparison of positions, which Inductor computes inside its softmax kernels: from a
+    # materialised bool mask, a layer's attention forward and backward took 7.0 instead of 4.9 ms compiled (6.7 vs
+    # 6.2 eager; bf16, 8 x 6 heads x 128 tokens)
+    future = positions[None, :] > positions[:, None]
+    return torch.where(future, float("-inf"), scores).softmax(dim=-1).to(q.dtype) @ v
 
 
 class FeedForward(nn.Module):
