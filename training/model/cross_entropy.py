@@ -6,11 +6,11 @@ log-softmax (kept for the backward: 4 bytes per logit), a zero-filled gradient a
 full-size fp32 pass over memory. Here the forward keeps the logits as they are (2 bytes per logit) and each row's
 log-sum-exp, and the backward writes softmax − one-hot straight into a gradient of the logits' dtype, a chunk of
 rows at a time that fits in a core's L2 cache. Compiled (`training/compile.py`) it runs as one chunk, which Inductor
-fuses into a pass each way (the targets' entries written after the pass). The result equals `F.cross_entropy` on the fp32 logits to float rounding. At d_model 384,
-vocab 8,192, 1,024 tokens, bf16, one core (`benchmarks/cross_entropy.py`): the head and loss forward and backward
-55-57 -> 49-50 ms eager, 43-46 -> 41-42 ms compiled (its GEMMs alone 21-22); an engine step 1.3% (eager) / 1.6%
-(compiled) faster. fp32 logits go to `F.cross_entropy`: there is no copy to avoid, and its fused log-softmax made a
-step 2.4-2.8% faster than the chunks.
+fuses into a pass each way (the targets' entries written after the backward's pass). The result equals
+`F.cross_entropy` on the fp32 logits to float rounding. At d_model 384, vocab 8,192, 1,024 tokens, bf16, one core
+(`benchmarks/cross_entropy.py`): the head and loss forward and backward 55-57 -> 49-50 ms eager, 43-46 -> 41-42 ms
+compiled (its GEMMs alone 21-22); an engine step 1.3% (eager) / 1.6% (compiled) faster. fp32 logits go to
+`F.cross_entropy`: there is no copy to avoid, and its fused log-softmax made a step 2.4-2.8% faster than the chunks.
 """
 
 from __future__ import annotations
