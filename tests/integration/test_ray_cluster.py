@@ -93,33 +93,38 @@ def cluster(request, tmp_path_factory, s3):
         *agent_ports[1],
     ]
     state = tmp_path_factory.mktemp("mlflow")
-    with ThreadPoolExecutor(1) as pool:  # the MLflow server starts while the nodes do
-        starting = pool.submit(
-            start_mlflow, state, f"sqlite:///{state / 'mlflow.db'}", state / "artifacts", port=free_port()
-        )
-        nodes = _start_nodes(head, second, env, temp, dashboard)
-        ml = starting.result()
-    address = f"http://127.0.0.1:{dashboard}"
-    yield address, ml, {node.pid for node in nodes}
-    # by process group (other Ray processes on the host are left alone), together: a disposable cluster needs no
-    # graceful exit, nor one grace period per process
-    stop_all([ml, *nodes], timeout=2)
-    ray.shutdown()
-    if request.session.testsfailed == failed_before:  # the nodes' logs stay for a failure's inspection
-        shutil.rmtree(temp, ignore_errors=True)
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    started: list[Running] = []  # what `stop_all` ends, also when the cluster fails to come up
+    try:
+        with ThreadPoolExecutor(1) as pool:  # the MLflow server starts while the nodes do
+            starting = pool.submit(
+                start_mlflow, state, f"sqlite:///{state / 'mlflow.db'}", state / "artifacts", port=free_port()
+            )
+            try:
+                _start_nodes(head, second, env, temp, dashboard, started)
+            finally:
+                started.insert(0, starting.result())
+        address = f"http://127.0.0.1:{dashboard}"
+        yield address, started[0], {node.pid for node in started[1:]}
+    finally:
+        # by process group (other Ray processes on the host are left alone), together: a disposable cluster needs
+        # no graceful exit, nor one grace period per process
+        stop_all(started, timeout=2)
+        ray.shutdown()
+        if request.session.testsfailed == failed_before:  # the nodes' logs stay for a failure's inspection
+            shutil.rmtree(temp, ignore_errors=True)
+        for key, value in saved.items():  # a failed start left the token in the environment of later tests
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _start_nodes(
-    head: list[str], second: list[str], env: dict[str, str], temp: str, dashboard: int
-) -> list[Running]:
-    """The head, then the second node once the head is up; both alive."""
+    head: list[str], second: list[str], env: dict[str, str], temp: str, dashboard: int, nodes: list[Running]
+) -> None:
+    """The head, then the second node once the head is up, appended to `nodes` as they start; both alive."""
     address = f"http://127.0.0.1:{dashboard}"
-    nodes = [_start(head, {**env, "LMFORGE_CACHE": f"{temp}/cache-head"}, temp, "head")]
+    nodes.append(_start(head, {**env, "LMFORGE_CACHE": f"{temp}/cache-head"}, temp, "head"))
     deadline = time.monotonic() + 180
     while not _alive_nodes(address):
         assert time.monotonic() < deadline, "the head did not come up; see " + nodes[0].log
@@ -128,7 +133,6 @@ def _start_nodes(
     while len(_alive_nodes(address)) < 2:
         assert time.monotonic() < deadline, "the second node did not join; see " + nodes[1].log
         time.sleep(0.2)
-    return nodes
 
 
 def _start(cmd: list[str], env: dict[str, str], temp: str, name: str) -> Running:
