@@ -93,22 +93,23 @@ def cluster(request, tmp_path_factory, s3):
         *agent_ports[1],
     ]
     state = tmp_path_factory.mktemp("mlflow")
-    started: list[Running] = []  # what `stop_all` ends, also when the cluster fails to come up
+    nodes: list[Running] = []  # appended as each starts: stopped also when the cluster fails to come up
+    ml: Running | None = None
     try:
         with ThreadPoolExecutor(1) as pool:  # the MLflow server starts while the nodes do
             starting = pool.submit(
                 start_mlflow, state, f"sqlite:///{state / 'mlflow.db'}", state / "artifacts", port=free_port()
             )
             try:
-                _start_nodes(head, second, env, temp, dashboard, started)
+                _start_nodes(head, second, env, temp, dashboard, nodes)
             finally:
-                started.insert(0, starting.result())
+                ml = starting.result()
         address = f"http://127.0.0.1:{dashboard}"
-        yield address, started[0], {node.pid for node in started[1:]}
+        yield address, ml, {node.pid for node in nodes}
     finally:
         # by process group (other Ray processes on the host are left alone), together: a disposable cluster needs
         # no graceful exit, nor one grace period per process
-        stop_all(started, timeout=2)
+        stop_all([*([ml] if ml else []), *nodes], timeout=2)
         ray.shutdown()
         if request.session.testsfailed == failed_before:  # the nodes' logs stay for a failure's inspection
             shutil.rmtree(temp, ignore_errors=True)
