@@ -65,6 +65,52 @@ def rolling_windows(ids: list[int], start_id: int, window: int) -> list[tuple[li
     return [(seq[i : i + 1], seq[i + 1 : i + 1 + window]) for i in range(0, len(seq) - 1, window)]
 
 
+def generate_greedy(
+    model: Transformer,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    eos_id: int | None,
+    batch_size: int = 16,
+) -> list[tuple[list[int], bool]]:
+    """`generate_text`'s greedy continuation of each prompt, `batch_size` prompts at a time (longest first, each
+    left-padded to its batch's longest: `generate`'s `padding`), in the prompts' order. The same ids as one prompt
+    at a time, but where two tokens' logits tie to float rounding (the batch's GEMMs may round differently); models
+    without softmax attention go one prompt at a time."""
+    room = _room(model, max_new_tokens)
+    if model.cfg.attention != "softmax":
+        batch_size = 1
+    order = sorted(range(len(prompts)), key=lambda i: -min(len(prompts[i]), room))
+    results: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            cut = [prompts[i][-room:] for i in rows]
+            width = len(cut[0])
+            padding = torch.tensor([width - len(ids) for ids in cut])
+            ids = torch.tensor([[ids[0]] * (width - len(ids)) + ids for ids in cut])
+            out = generate(
+                model, ids, max_new_tokens, eos_id=eos_id, padding=padding if padding.any() else None
+            )
+            for i, new in zip(rows, out[:, width:].tolist(), strict=True):
+                results[i] = (_until(new, eos_id), len(prompts[i]) > room)
+    return results
+
+
+def _room(model: Transformer, max_new_tokens: int) -> int:
+    """The longest prompt that leaves room for `max_new_tokens` in the model's context."""
+    room = model.cfg.max_seq_len - max_new_tokens
+    if room < 1:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in {model.cfg.max_seq_len} tokens"
+        )
+    return room
+
+
+def _until(ids: list[int], eos_id: int | None) -> list[int]:
+    """ids up to (not including) the first `eos_id`."""
+    return ids[: ids.index(eos_id)] if eos_id is not None and eos_id in ids else ids
+
+
 def generate_text(
     model: Transformer,
     prompt_ids: list[int],
@@ -74,11 +120,7 @@ def generate_text(
     seed: int = 0,
 ) -> tuple[list[int], bool]:
     """Greedy (temperature 0) or sampled continuation ids, and whether the prompt was cut to fit the context."""
-    room = model.cfg.max_seq_len - max_new_tokens
-    if room < 1:
-        raise ValueError(
-            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in {model.cfg.max_seq_len} tokens"
-        )
+    room = _room(model, max_new_tokens)
     truncated = len(prompt_ids) > room
     ids = torch.tensor([prompt_ids[-room:]])
     generator = torch.Generator().manual_seed(seed)
@@ -92,5 +134,4 @@ def generate_text(
             eos_id=eos_id,
             generator=generator,
         )
-    new = out[0, ids.shape[1] :].tolist()
-    return (new[: new.index(eos_id)] if eos_id is not None and eos_id in new else new), truncated
+    return _until(out[0, ids.shape[1] :].tolist(), eos_id), truncated

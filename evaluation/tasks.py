@@ -26,7 +26,7 @@ from typing import Any, Literal
 from data_pipeline.config import END_OF_TURN
 from data_pipeline.sources import DataError, stdlib_files, stdlib_root
 from evaluation.model_io import EvalModel
-from evaluation.scoring import generate_text, score_continuations
+from evaluation.scoring import generate_greedy, score_continuations
 from infra.mirror import cache_root
 from infra.storage import atomic_write_json
 
@@ -205,11 +205,18 @@ def run_task(em: EvalModel, task: Task, batch_size: int, max_new_tokens: int) ->
         return {"acc": acc / n, "acc_norm": acc_norm / n, "n": n, "truncated": truncated}
     hits = truncated = 0
     requests = [_split_encode(em, item.prompt, item.target + item.stop[0]) for item in task.items]
-    for item, (context, _) in zip(task.items, requests, strict=True):
-        stop_id = em.tokenizer.token_to_id(item.stop[0])  # a special token (e.g. end of turn) ends generation
-        ids, cut = generate_text(
-            em.model, context, max_new_tokens, stop_id if stop_id is not None else em.tokenizer_ref.eos_id
-        )
+    # a special token (e.g. end of turn) ends generation; the items that share one are generated in batches
+    stops = [em.tokenizer.token_to_id(item.stop[0]) for item in task.items]
+    stops = [em.tokenizer_ref.eos_id if stop is None else stop for stop in stops]
+    generated: list[tuple[list[int], bool]] = [([], False)] * len(task.items)
+    for stop in dict.fromkeys(stops):
+        rows = [i for i, s in enumerate(stops) if s == stop]
+        prompts = [requests[i][0] for i in rows]
+        for i, out in zip(
+            rows, generate_greedy(em.model, prompts, max_new_tokens, stop, batch_size), strict=True
+        ):
+            generated[i] = out
+    for item, (ids, cut) in zip(task.items, generated, strict=True):
         text = em.tokenizer.decode(ids)
         for stop in item.stop:
             text = text.split(stop)[0]

@@ -14,7 +14,7 @@ import torch
 from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import describe
 from evaluation.model_io import EvalModel, load_for_eval
-from evaluation.scoring import rolling_windows, score_continuations
+from evaluation.scoring import generate_greedy, generate_text, rolling_windows, score_continuations
 from evaluation.spectra import effective_rank
 from evaluation.tasks import Task, load_task, run_task, stdlib_import_task
 from training.model.config import ModelConfig
@@ -121,6 +121,21 @@ def test_multiple_choice_and_generation_tasks(em, tmp_path):
         result["n"] == 2 and result["truncated"] == 1
     )  # the 200-character prompt exceeds the 32-token context
     assert math.isfinite(result["response_loss"]) and result["response_loss"] > 0
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_batched_greedy_generation_gives_each_prompts_own_ids(attention):
+    """Prompts of 1 to 40 tokens (40: cut to the context's room), two to a left-padded batch, longest first: each
+    prompt's ids, stop and truncation flag as generated alone, in the prompts' order (linear attention: one at a
+    time)."""
+    # weights drawn wide, so that every token of the context moves the next one
+    model = Transformer(ModelConfig(vocab_size=64, attention=attention, init_std=0.5, **CFG), seed=3).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 1, 40, 12, 7)]
+    eos = generate_text(model, prompts[3], 8, None)[0][2]  # a token one prompt generates third
+    alone = [generate_text(model, p, 8, eos) for p in prompts]
+    assert generate_greedy(model, prompts, 8, eos, batch_size=2) == alone
+    assert [cut for _, cut in alone] == [False, False, True, False, False] and len(alone[3][0]) == 2
 
 
 @pytest.mark.parametrize(

@@ -233,6 +233,31 @@ def test_generation_refuses_to_run_past_the_context() -> None:
         generate(model, tokens(1, 60), 10)
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_left_padded_prompts_decode_as_each_alone(kind: str) -> None:
+    """Prompts of 3, 7 and 5 tokens left-padded into one batch (`padding`): every row's logits at its real positions,
+    through the prefill and ten cached steps, are those of the row run alone, and greedy decoding gives its ids."""
+    model = Transformer(CONFIGS[kind], seed=3).eval()
+    lengths = [3, 7, 5]
+    prompts = [tokens(1, n, seed=n)[0] for n in lengths]
+    padding = torch.tensor([7 - n for n in lengths])
+    batch = torch.stack([torch.cat([p[:1].expand(7 - len(p)), p]) for p in prompts])  # padded with any token
+    alone = [generate(model, p[None], 10) for p in prompts]
+    together = generate(model, batch, 10, padding=padding)
+    for row, (ids, pad) in enumerate(zip(alone, padding.tolist(), strict=True)):
+        assert torch.equal(together[row, pad:], ids[0])
+    cache = model.new_cache(3, 20, padding)
+    logits = [model(batch, cache=cache).logits]
+    for t in range(10):
+        logits.append(model(together[:, 7 + t : 8 + t], cache=cache).logits)
+    logits = torch.cat(logits, dim=1)
+    for row, pad in enumerate(padding.tolist()):
+        reference = model(together[row : row + 1, pad:]).logits[0]
+        torch.testing.assert_close(logits[row, pad:], reference, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="need softmax attention"):
+        Transformer(LINEAR).new_cache(3, 20, padding)
+
+
 def test_filter_logits_top_k_and_top_p() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True, True]]

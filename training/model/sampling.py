@@ -39,8 +39,11 @@ def generate(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    padding: Tensor | None = None,
 ) -> Tensor:
-    """prompt (B, T) -> (B, T + n) with n <= max_new_tokens; temperature 0 is greedy.
+    """prompt (B, T) -> (B, T + n) with n <= max_new_tokens; temperature 0 is greedy. `padding` (B,): prompts of
+    different lengths in one batch, each row's left-padded by that many positions (any token: never attended to;
+    softmax attention, with the cache).
 
     Without the cache every step recomputes the whole prefix, which is the reference the cached path is tested
     against. Generation stops early once every row has produced `eos_id`.
@@ -53,7 +56,9 @@ def generate(
             f"prompt ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
             f"model.max_seq_len={model.cfg.max_seq_len}; shorten the prompt or generate fewer tokens"
         )
-    cache = model.new_cache(prompt.shape[0], total) if use_cache else None
+    if padding is not None and not use_cache:
+        raise ValueError("left-padded prompts are generated with the cache (use_cache=True)")
+    cache = model.new_cache(prompt.shape[0], total, padding) if use_cache else None
     tokens = prompt
     step_input = prompt
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)

@@ -74,13 +74,25 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class LayerKVCache:
-    """Keys and values of one layer for incremental decoding, preallocated to `max_len` positions."""
+    """Keys and values of one layer for incremental decoding, preallocated to `max_len` positions. `padding` (B,):
+    how many positions each row's sequence starts after (prompts of different lengths left-padded into one batch):
+    those keys are never attended to. Its positions are left shifted: RoPE's scores depend on relative positions
+    only, so a row's logits are those of the row alone to float rounding."""
 
-    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_len: int, like: Tensor) -> None:
+    def __init__(
+        self,
+        batch: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        like: Tensor,
+        padding: Tensor | None = None,
+    ) -> None:
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=like.dtype, device=like.device)
         self.v = torch.zeros(shape, dtype=like.dtype, device=like.device)
         self.length = 0
+        self.padding = padding
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append k, v (B, G, T, D); return all cached keys and values (B, G, S, D)."""
@@ -141,18 +153,30 @@ class Attention(nn.Module):
             y = explicit_causal_attention(q, k, v, self.scale)
         else:
             mask = None
-            if 1 < T < S:  # a chunk appended to a cache: query t sees keys up to its absolute position
+            if cache is not None and cache.padding is not None:
+                mask = padded_causal_mask(cache.padding, T, S)
+            elif 1 < T < S:  # a chunk appended to a cache: query t sees keys up to its absolute position
                 mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
             y = F.scaled_dot_product_attention(
                 q,
                 k,
                 v,
                 attn_mask=mask,
-                is_causal=T == S and T > 1,
+                is_causal=mask is None and T == S and T > 1,
                 scale=self.scale,
                 enable_gqa=self.n_kv_heads != self.n_heads,
             )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def padded_causal_mask(padding: Tensor, T: int, S: int) -> Tensor:
+    """(B, 1, T, S) bool, True where the last T of S positions may attend: causally, to no key of a row's left
+    padding (`padding` (B,) positions). A padding position attends to itself alone, so no row of the softmax is
+    empty (its output is never read)."""
+    keys = torch.arange(S, device=padding.device)
+    queries = keys[S - T :, None]  # (T, 1)
+    real = keys >= padding[:, None]  # (B, S)
+    return ((keys <= queries) & real[:, None, :] | (keys == queries))[:, None]
 
 
 # Longest sequence for which `explicit_causal_attention` beats PyTorch's CPU flash kernel in bf16 (forward and
@@ -357,17 +381,22 @@ class Transformer(nn.Module):
         loss = cross_entropy(logits.flatten(0, 1), targets.flatten())
         return (logits if logits_grad else logits.detach()), loss
 
-    def new_cache(self, batch: int, max_len: int | None = None) -> list[Cache]:
+    def new_cache(self, batch: int, max_len: int | None = None, padding: Tensor | None = None) -> list[Cache]:
         """Empty per-layer KV caches on this model's device and dtype (linear attention: fp32 running sums,
-        whose size does not depend on the length)."""
+        whose size does not depend on the length). `padding` (B,): each row's left padding (`LayerKVCache`;
+        softmax attention only)."""
         like = self.lm_head.weight
         length = max_len or self.cfg.max_seq_len
+        if padding is not None and self.cfg.attention != "softmax":
+            raise ValueError(
+                f"left-padded batches need softmax attention; this model's is {self.cfg.attention}"
+            )
         if self.cfg.attention != "softmax":
             m, h = self.cfg.feature_dim, self.cfg.n_heads
             return [
                 LinearState.empty(batch, h, m, self.cfg.head_dim, like.float()) for _ in self.model.layers
             ]
         return [
-            LayerKVCache(batch, self.cfg.n_kv_heads, self.cfg.head_dim, length, like)
+            LayerKVCache(batch, self.cfg.n_kv_heads, self.cfg.head_dim, length, like, padding)
             for _ in self.model.layers
         ]
