@@ -21,12 +21,25 @@ from evaluation.law_noise import calibrated_fit
 from evaluation.scaling_data import ScalingDataError, ScalingPoints
 
 LAW_KEYS = ("E", "A", "B", "alpha", "beta")
+# a term of the law that moves the loss by less than this share of it anywhere on a ladder was fitted to nothing
+NEGLIGIBLE = 1e-6
 
 
 def has_frontier(law: Law) -> bool:
     """Positive finite exponents and coefficients: only then does L*(C) exist and fall with C."""
     values = (law.A, law.B, law.alpha, law.beta, law.E)
     return all(math.isfinite(v) for v in values) and min(law.A, law.B, law.alpha, law.beta) > 0
+
+
+def determines_frontier(law: Law, points: ScalingPoints) -> bool:
+    """`has_frontier`, with both terms moving the loss on the ladder's points: a size (or data) term fitted to
+    ~0 (A = 3e-9 where bigger models were worse at every budget) makes a frontier that no point measured, its N*
+    set by the optimiser's last steps (which differ between machines)."""
+    if not has_frontier(law):
+        return False
+    size = law.A * float(points.n.min()) ** -law.alpha
+    data = law.B * float(points.d.min()) ** -law.beta
+    return min(size, data) > NEGLIGIBLE * float(points.loss.min())
 
 
 def optimal_loss(law: Law, c: float | np.ndarray) -> np.ndarray:
@@ -99,7 +112,7 @@ def compare_points(
     fit_b = calibrated_fit(points_b, n_resamples=n_bootstrap, seed=1, level=level)
     law_a, law_b = fit_a.fit.law, fit_b.fit.law
     for which, law, points in (("A", law_a, points_a), ("B", law_b, points_b)):
-        if not has_frontier(law):
+        if not determines_frontier(law, points):
             raise ScalingDataError(
                 f"{points.source or which}: the law fitted to variant {which}'s ladder has no compute-optimal "
                 f"frontier (A={law.A:.3g}, B={law.B:.3g}, α={law.alpha:.3g}, β={law.beta:.3g}); add sizes or budgets"
