@@ -319,3 +319,28 @@ def test_seed_replicas_are_runs_of_their_own(tmp_path):
         ("d", 3.15),
         ("d", 3.25),
     ]
+
+
+def test_trials_side_by_side_share_the_cores_the_machine_runs_at_full_pace(monkeypatch):
+    """`sweep.max_concurrent: auto` runs as many trials as `parallel_cores` measures (one on a cluster or with GPUs),
+    each with its share of the CPUs as torch threads unless the recipe sets them; a number is taken as given."""
+    import os
+
+    from infra.cores import parallel_cores
+    from training.stages.sweep import concurrent_trials, shared_cores
+
+    recipe = load_recipe("demo", ["sweep.max_concurrent=auto"])
+    spec = recipe.sweep_spec()
+    cores = parallel_cores()
+    assert 1 <= cores <= (os.cpu_count() or 1)
+    assert concurrent_trials(spec.sweep, 14) == cores and concurrent_trials(spec.sweep, 1) == 1
+    assert concurrent_trials(spec.sweep.model_copy(update={"max_concurrent": 3}), 2) == 2
+    assert concurrent_trials(spec.sweep.model_copy(update={"gpus_per_trial": 1.0}), 14) == 1
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert concurrent_trials(spec.sweep, 14) == 1
+    trial = trial_spec(spec, plan_trials(spec)[0][0], None)
+    assert shared_cores(trial, 1) is trial
+    assert shared_cores(trial, 2).parallel.threads_per_worker == max(1, (os.cpu_count() or 1) // 2)
+    pinned = trial.model_copy(update={"parallel": trial.parallel.model_copy(update={"threads_per_worker": 3})})
+    assert shared_cores(pinned, 2).parallel.threads_per_worker == 3
+    assert shared_cores(trial, 2).key() == trial.key()  # the same run, cached under the same key

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.shards import DatasetManifest
 from infra.config import override
+from infra.cores import parallel_cores
 from infra.environment import environment
 from infra.errors import Preempted
 from infra.object_store import is_remote
@@ -295,8 +296,10 @@ def run_sweep(spec: SweepSpec, data: DatasetManifest, progress: TrialProgress | 
             "sweep has no trials: set sweep.budgets and sweep.depths"
             + (" (every pair was left out: " + "; ".join(skipped) + ")" if skipped else "")
         )
+    # what the fit does with the sweep, and how many trials run at once, do not change its results
+    execution = {"target_budget", "rung_multiple", "law_form", "max_concurrent"}
     config = {
-        "sweep": spec.sweep.model_dump(mode="json", exclude={"target_budget", "rung_multiple", "law_form"}),
+        "sweep": spec.sweep.model_dump(mode="json", exclude=execution),
         "runs": spec.base.key(),
     }
     step = Step("sweep", spec.name, SWEEP_VERSION, config, SweepResult, {"data": data})
@@ -336,14 +339,20 @@ def _sweep(
         if progress:
             for done, done_rows in enumerate(rows.values(), start=1):
                 progress(done, len(plans), done_rows[-1])
-        wall, trial_seconds = _run_trials(spec.sweep, todo, data, rows, progress, len(plans), sweep_dir)
+        concurrency = concurrent_trials(spec.sweep, len(todo))
+        todo = [(plan, shared_cores(trial, concurrency)) for plan, trial in todo]
+        wall, trial_seconds = _run_trials(
+            spec.sweep, concurrency, todo, data, rows, progress, len(plans), sweep_dir
+        )
         missing = [p.name for p in plans if p.name not in rows]
         if missing:  # Tune stops gracefully on Ctrl-C; hand the interrupt back to the caller
             raise KeyboardInterrupt(f"sweep interrupted: trials {missing} did not finish")
         ordered = [row for p in plans for row in rows[p.name]]
         pq.write_table(pa.Table.from_pylist(ordered), sweep_dir / RESULTS)
         tracker.log_artifact(sweep_dir / RESULTS)
-        result = _summarise(spec, plans, rows, skipped, sweep_dir, run.run_id, wall, trial_seconds, len(todo))
+        result = _summarise(
+            spec, plans, rows, skipped, sweep_dir, run.run_id, wall, trial_seconds, concurrency
+        )
         summary = {
             "sweep/completed": result.n_completed,
             "sweep/stopped": result.n_stopped,
@@ -368,7 +377,7 @@ def _summarise(
     run_id: str | None,
     wall: float,
     trial_seconds: float,
-    n_run: int,
+    concurrency: int,
 ) -> SweepResult:
     """Counts, the multi-horizon gain (points per FLOP against one run per point) and data-constraint warnings."""
     completed = [p for p in plans if rows[p.name][-1]["status"] == "completed"]
@@ -381,7 +390,6 @@ def _summarise(
         for p in completed
         if (rows[p.name][-1]["epochs"] or 0) > spec.sweep.max_epochs
     ]
-    concurrency = min(spec.sweep.max_concurrent, max(1, n_run))
     return SweepResult(
         path=str(sweep_dir.resolve()),
         results=str((sweep_dir / RESULTS).resolve()),
@@ -400,8 +408,29 @@ def _summarise(
     )
 
 
+def concurrent_trials(sweep: SweepConfig, n_trials: int) -> int:
+    """Trials to run at once: `sweep.max_concurrent`; under auto, as many as this machine's cores run side by side
+    at full pace (`infra.cores.parallel_cores`), `cpus_per_trial` each, on a private local Ray instance; 1 on a
+    cluster (`RAY_ADDRESS`) or with GPUs, where it was not measured. Never more than the trials."""
+    if sweep.max_concurrent != "auto":
+        return min(sweep.max_concurrent, max(1, n_trials))
+    if n_trials < 2 or os.environ.get("RAY_ADDRESS") or sweep.gpus_per_trial > 0:
+        return 1
+    return max(1, min(n_trials, int(parallel_cores() // sweep.cpus_per_trial)))
+
+
+def shared_cores(trial: PretrainSpec, concurrency: int) -> PretrainSpec:
+    """The trial with its share of the machine's cores as its torch threads when trials run side by side (where it
+    sets none): a lone trial takes them all (`lifecycle`'s default), and two trials of two threads each on two cores
+    ran 4-10x slower than alone (their threads spinning against each other)."""
+    if concurrency == 1 or trial.parallel.threads_per_worker is not None:
+        return trial
+    return override(trial, {"parallel.threads_per_worker": max(1, (os.cpu_count() or 1) // concurrency)})
+
+
 def _run_trials(
     sweep: SweepConfig,
+    concurrency: int,
     todo: list[tuple[TrialPlan, PretrainSpec]],
     data: DatasetManifest,
     rows: dict[str, dict[str, Any]],
@@ -416,7 +445,7 @@ def _run_trials(
     from ray.tune.logger import JsonLoggerCallback
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    ensure_ray(int(sweep.max_concurrent * sweep.cpus_per_trial))
+    ensure_ray(int(concurrency * sweep.cpus_per_trial))
     scheduler = (
         ASHAScheduler(
             time_attr="step",
@@ -445,7 +474,7 @@ def _run_trials(
             metric="train_loss",
             mode="min",
             scheduler=scheduler,
-            max_concurrent_trials=sweep.max_concurrent,
+            max_concurrent_trials=concurrency,
             reuse_actors=True,
         ),
         run_config=tune.RunConfig(
