@@ -49,18 +49,22 @@ def _rates(processes: int, seconds: float) -> list[float]:
 
 
 @functools.cache
-def parallel_cores(limit: int | None = None, seconds: float = 0.4) -> int:
+def parallel_cores(limit: int | None = None, seconds: float = 0.4, tries: int = 3) -> int:
     """The most one-thread processes (up to `limit`, default the CPUs this process may use) that each keep
-    `FULL_PACE` of a lone process's speed when run together; 1 when the probe cannot run. ~1 s per count tried."""
+    `FULL_PACE` of a lone process's speed when run together, in the best of `tries` (a server starting beside the
+    probe, as the demo's Prefect server, loads it for a moment); 1 when the probe cannot run. ~1 s a try."""
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     limit = min(limit or available, available)
+    cores = 1
     try:
-        alone = _rates(1, seconds)[0]
-        cores = 1
-        for k in range(2, limit + 1):
-            if min(_rates(k, seconds)) < FULL_PACE * alone:
+        for _ in range(tries):
+            alone = _rates(1, seconds)[0]
+            for k in range(cores + 1, limit + 1):
+                if min(_rates(k, seconds)) < FULL_PACE * alone:
+                    break
+                cores = k
+            if cores == limit:
                 break
-            cores = k
     except (OSError, ValueError, subprocess.SubprocessError):
-        return 1
+        return cores
     return cores

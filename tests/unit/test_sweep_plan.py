@@ -341,6 +341,8 @@ def test_trials_side_by_side_share_the_cores_the_machine_runs_at_full_pace(monke
     trial = trial_spec(spec, plan_trials(spec)[0][0], None)
     assert shared_cores(trial, 1) is trial
     assert shared_cores(trial, 2).parallel.threads_per_worker == max(1, (os.cpu_count() or 1) // 2)
-    pinned = trial.model_copy(update={"parallel": trial.parallel.model_copy(update={"threads_per_worker": 3})})
+    pinned = trial.model_copy(
+        update={"parallel": trial.parallel.model_copy(update={"threads_per_worker": 3})}
+    )
     assert shared_cores(pinned, 2).parallel.threads_per_worker == 3
     assert shared_cores(trial, 2).key() == trial.key()  # the same run, cached under the same key

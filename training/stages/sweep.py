@@ -340,6 +340,9 @@ def _sweep(
             for done, done_rows in enumerate(rows.values(), start=1):
                 progress(done, len(plans), done_rows[-1])
         concurrency = concurrent_trials(spec.sweep, len(todo))
+        log.info(
+            "sweep: %d trial(s) at once (sweep.max_concurrent=%s)", concurrency, spec.sweep.max_concurrent
+        )
         todo = [(plan, shared_cores(trial, concurrency)) for plan, trial in todo]
         wall, trial_seconds = _run_trials(
             spec.sweep, concurrency, todo, data, rows, progress, len(plans), sweep_dir
