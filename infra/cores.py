@@ -1,7 +1,7 @@
 """How many one-thread processes this machine runs side by side at full pace, measured.
 
-The vCPUs a machine reports are not always cores: on some of our 2-vCPU machines two processes each ran at half
-their speed (hyperthreads of one core), on others (an AMD EPYC, `lscpu`: one thread per core) each kept 95% of it.
+The vCPUs a machine reports are not always cores: some of our 2-vCPU machines behave like one core (two hyperthreads,
+`shared/notes`), on another (an AMD EPYC, `lscpu`: one thread per core) two processes each kept 95-97% of their speed.
 A sweep runs that many trials at once (`sweep.max_concurrent: auto`); each trial's numbers do not depend on it.
 """
 
@@ -51,8 +51,8 @@ def _rates(processes: int, seconds: float) -> list[float]:
 @functools.cache
 def parallel_cores(limit: int | None = None, seconds: float = 0.4, tries: int = 3) -> int:
     """The most one-thread processes (up to `limit`, default the CPUs this process may use) that each keep
-    `FULL_PACE` of a lone process's speed when run together, in the best of `tries` (a server starting beside the
-    probe, as the demo's Prefect server, loads it for a moment); 1 when the probe cannot run. ~1 s a try."""
+    `FULL_PACE` of a lone process's speed when run together, in the best of `tries` (a process busy beside the probe
+    for a moment must not decide it); 1 when the probe cannot run. ~1 s a try."""
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     limit = min(limit or available, available)
     cores = 1
