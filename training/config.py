@@ -403,7 +403,7 @@ class SweepConfig(BaseModel):
     # [7.9e4, 1.05e5], where seven shapes trained at that budget put the optimum at ~1.25e5 (README)
     max_warmup_share: float = Field(0.25, gt=0.0, le=0.5)
     # trials at once; auto: as many as this machine's cores run side by side at full pace (`infra/cores.py`: 2 on an
-    # AMD EPYC whose 2 vCPUs are 2 cores, 1 where they are one core's 2 hyperthreads), on a local Ray instance
+    # AMD EPYC whose 2 vCPUs are 2 cores; 1 expected where they are one core's 2 hyperthreads), on a local Ray instance
     max_concurrent: PositiveInt | Literal["auto"] = 1
     cpus_per_trial: PositiveFloat = 1.0
     gpus_per_trial: float = Field(0.0, ge=0)
