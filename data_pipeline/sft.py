@@ -12,6 +12,7 @@ attend to another. This wastes some compute on short examples and keeps attentio
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from pathlib import Path
@@ -90,7 +91,17 @@ def first_sentence(docstring: str) -> str | None:
 
 def builtin_sft_examples(max_examples: int | None) -> list[Messages]:
     """Questions about public functions and classes of the standard library, answered from their docstrings."""
-    examples: list[Messages] = []
+    return [
+        [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        for question, answer in _stdlib_answers(max_examples)
+    ]
+
+
+@functools.cache
+def _stdlib_answers(max_examples: int | None) -> tuple[tuple[str, str], ...]:
+    """(question, answer) pairs of `builtin_sft_examples`: the stdlib's sources parsed once a process (~3 s; the
+    demo's SFT data, preference pairs, RL prompts and distillation each read them)."""
+    pairs: list[tuple[str, str]] = []
     root = stdlib_root()
     for path in stdlib_files():
         parts = path.relative_to(root).with_suffix("").parts
@@ -107,13 +118,10 @@ def builtin_sft_examples(max_examples: int | None) -> list[Messages]:
                 continue
             answer = first_sentence(ast.get_docstring(node) or "")
             if answer:
-                question = f"What does `{module}.{node.name}` do?"
-                examples.append(
-                    [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-                )
-                if max_examples is not None and len(examples) >= max_examples:
-                    return examples
-    return examples
+                pairs.append((f"What does `{module}.{node.name}` do?", answer))
+                if max_examples is not None and len(pairs) >= max_examples:
+                    return tuple(pairs)
+    return tuple(pairs)
 
 
 def render(messages: Messages) -> tuple[str, list[tuple[int, int]]]:

@@ -11,8 +11,15 @@ with the smaller error on the held-out budget sizes the rung (`evaluation.law_fo
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import pickle
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 from scipy.optimize import OptimizeResult, least_squares
@@ -25,6 +32,14 @@ N_STARTS = 60
 START = np.array([math.log(1e4), math.log(1e6), 0.7, 0.5, 0.5])  # log N_c, log D_c, α_N, α_D, log E
 LOG_LIMIT = 700.0  # |log| of N_c, D_c and E: e^700 is a float, e^710 is not
 EXPONENTS = ("alpha_n", "alpha_d")  # the size's and the data's, as Chinchilla's alpha and beta
+# a fresh interpreter's share of the bootstrap, this file's package first on its path: pickled (points, log
+# losses, theta) in, pickled laws out
+_REFIT_ELSEWHERE = (
+    "import pickle, sys; sys.path.insert(0, sys.argv[1]); from evaluation.kaplan_fit import _refit_rows; "
+    "sys.stdout.buffer.write(pickle.dumps(_refit_rows(*pickle.load(sys.stdin.buffer))))"
+)
+ROWS_PER_PROCESS = 50  # the fewest resamples worth a helper interpreter (~1 s to start; a refit ~20-80 ms)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -153,20 +168,21 @@ def kaplan_intervals(
     n_resamples: int = 500,
     level: float = 0.95,
     seed: int = 0,
+    processes: int = 1,
 ) -> KaplanIntervals:
     """The parametric bootstrap Chinchilla's fit uses (`law_noise`): the shape, cell, run and point noise its
     residuals show (what the five parameters absorb taken out), sweeps redrawn from the law and that noise on the
-    same design, each refitted as the law was (`_refit`); a new run adds its own misfits, offset and noise to each
-    resample's loss."""
+    same design, each refitted as the law was (`_refit`, over `processes`: the same intervals for any number); a
+    new run adds its own misfits, offset and noise to each resample's loss."""
     theta = law.theta()
     noise = kaplan_noise(points, law)
     rng = np.random.default_rng(seed)
     redrawn = _log_loss(theta, points.n, points.d)[None] + noise.draw(rng, n_resamples, points)
-    fitted = []
-    for y in redrawn:
-        resampled = _refit(points, y, theta)
-        if resampled is not None and np.isfinite(resampled.optimal_n(budget)):
-            fitted.append(resampled)
+    fitted = [
+        f
+        for f in _refits(points, redrawn, theta, processes)
+        if f is not None and np.isfinite(f.optimal_n(budget))
+    ]
     loss = np.array([f.loss(n, d) for f in fitted], dtype=float)
     run = loss * np.exp(noise.draw(rng, len(loss))[:, 0])
     n_opt = np.array([f.optimal_n(budget) for f in fitted], dtype=float)
@@ -180,6 +196,44 @@ def kaplan_intervals(
     return KaplanIntervals(
         interval(loss), interval(run), interval(n_opt), exponents, len(fitted), n_resamples - len(fitted)
     )
+
+
+def _refits(
+    points: ScalingPoints, ys: np.ndarray, theta: np.ndarray, processes: int
+) -> list[KaplanLaw | None]:
+    """`_refit` of each row of `ys`, in order, split over `processes`: this one and fresh interpreters (no fork of
+    a process holding torch's and Ray's threads). Each refit is deterministic, so the laws do not depend on the
+    split; ~40 s of the demo's fit on a machine with two cores."""
+    chunks = np.array_split(ys, max(1, min(processes, len(ys) // ROWS_PER_PROCESS)))
+    if len(chunks) == 1:
+        return _refit_rows(points, ys, theta)
+    with ThreadPoolExecutor(len(chunks) - 1) as threads:
+        others = [threads.submit(_refit_elsewhere, points, chunk, theta) for chunk in chunks[1:]]
+        mine = _refit_rows(points, chunks[0], theta)
+        return mine + [law for other in others for law in other.result()]
+
+
+def _refit_rows(points: ScalingPoints, ys: np.ndarray, theta: np.ndarray) -> list[KaplanLaw | None]:
+    return [_refit(points, y, theta) for y in ys]
+
+
+def _refit_elsewhere(points: ScalingPoints, ys: np.ndarray, theta: np.ndarray) -> list[KaplanLaw | None]:
+    """`_refit_rows` in a fresh one-thread interpreter; in this one where that fails (it only costs time)."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _REFIT_ELSEWHERE, root],
+            input=pickle.dumps((points, ys, theta)),
+            capture_output=True,
+            env=env,
+            check=True,
+        )
+        return pickle.loads(done.stdout)
+    except (OSError, subprocess.CalledProcessError, pickle.UnpicklingError, EOFError) as error:
+        detail = getattr(error, "stderr", b"") or b""
+        log.warning("Kaplan bootstrap: a helper process failed (%s %s); refitting here", error, detail[-300:])
+        return _refit_rows(points, ys, theta)
 
 
 def _refit(points: ScalingPoints, y: np.ndarray, theta: np.ndarray) -> KaplanLaw | None:

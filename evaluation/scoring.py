@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from training.model.sampling import generate
+from training.model.sampling import generate, left_padded
 from training.model.transformer import Transformer
 
 
@@ -84,14 +84,9 @@ def generate_greedy(
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             rows = order[start : start + batch_size]
-            cut = [prompts[i][-room:] for i in rows]
-            width = len(cut[0])
-            padding = torch.tensor([width - len(ids) for ids in cut])
-            ids = torch.tensor([[ids[0]] * (width - len(ids)) + ids for ids in cut])
-            out = generate(
-                model, ids, max_new_tokens, eos_id=eos_id, padding=padding if padding.any() else None
-            )
-            for i, new in zip(rows, out[:, width:].tolist(), strict=True):
+            ids, padding = left_padded([prompts[i][-room:] for i in rows])
+            out = generate(model, ids, max_new_tokens, eos_id=eos_id, padding=padding)
+            for i, new in zip(rows, out[:, ids.shape[1] :].tolist(), strict=True):
                 results[i] = (_until(new, eos_id), len(prompts[i]) > room)
     return results
 

@@ -146,3 +146,44 @@ def test_prompts_are_encoded_up_to_the_assistant_header_and_long_ones_dropped(to
     assert again.next_batch() == second and first.n_targets() == 4  # resumable, deterministic
     with pytest.raises(DataError, match="too few usable prompts"):
         run_prompt_data(PromptsConfig(source="digits"), [long], tok, 40, tmp_path / "none")
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_a_rollout_samples_every_prompts_group_in_one_padded_batch_as_each_alone(attention):
+    """Prompts of 3, 9 and 5 tokens, two completions each, sampled with a nucleus so narrow it keeps the top token
+    only: each sample holds its own prompt and the completion that prompt gets alone (greedy, cut after the
+    end-of-turn marker), in prompt order, and the rows that score them are prompt + completion with targets on
+    the completion only (softmax attention: one left-padded batch; linear: one prompt's group at a time)."""
+    from tokenizers import Tokenizer, models
+
+    from data_pipeline.prompts import Prompt, PromptBatch
+    from training.config import RLConfig
+    from training.model.config import ModelConfig
+    from training.model.sampling import generate
+    from training.model.transformer import Transformer
+    from training.stages.rl import rollout
+
+    cfg = ModelConfig(
+        vocab_size=64, attention=attention, init_std=0.5, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+        d_ff=64, max_seq_len=32,
+    )  # fmt: skip
+    policy = Transformer(cfg, seed=3).eval()
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 5)]
+    alone = [generate(policy, torch.tensor([p]), 6)[0, len(p) :].tolist() for p in ids]
+    end = alone[1][3]  # a token the second prompt's completion reaches fourth (and first there)
+    expected = [row[: row.index(end) + 1] if end in row else row for row in alone]
+    prompts = [Prompt([{"role": "user", "content": str(i)}]) for i in range(3)]
+    spec = RLConfig(max_new_tokens=6, temperature=1.0, top_p=1e-6)
+    got = rollout(policy, PromptBatch(ids, prompts), 2, spec, tokenizer, end, pad_id=0)
+    assert [s.prompt for s in got.samples] == [p for p in prompts for _ in range(2)]
+    assert [s.prompt_ids for s in got.samples] == [p for p in ids for _ in range(2)]
+    assert [s.completion_ids for s in got.samples] == [c for c in expected for _ in range(2)]
+    assert [len(c) for c in expected] == [6, 4, 6] and got.clipped.tolist() == [
+        float(end not in c) for c in expected for _ in range(2)
+    ]
+    for row, sample in enumerate(got.samples):
+        n_prompt, n = len(sample.prompt_ids), len(sample.prompt_ids) + len(sample.completion_ids)
+        assert got.batch.inputs[row, : n - 1].tolist() == (sample.prompt_ids + sample.completion_ids)[:-1]
+        assert got.batch.targets[row, : n - 1].tolist() == [-100] * (n_prompt - 1) + sample.completion_ids

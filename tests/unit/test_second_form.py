@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from evaluation import kaplan_fit
 from evaluation.kaplan_fit import KaplanLaw, fit_kaplan, kaplan_intervals
 from evaluation.law_form import choose_form, heldout_gap
 from evaluation.law_noise import NoiseModel
@@ -273,3 +274,18 @@ def test_kaplans_intervals_do_not_average_the_laws_misfit_over_seeds():
         got = kaplan_intervals(table, fit_kaplan(table, starts=8), 1e5, 4e6, 2.4e12, n_resamples=40)
         widths[name] = got.loss[1] - got.loss[0]
     assert widths["cell"] > 1.4 * widths["point"], widths
+
+
+def test_the_bootstrap_split_over_processes_gives_the_same_intervals(caplog, monkeypatch):
+    """Kaplan's resamples refitted in this process and two helper interpreters (the demo's fit splits them over the
+    cores it measured) give the intervals of one process, bit for bit, and the helpers did their shares (no fallback
+    to refitting here)."""
+    monkeypatch.setattr(kaplan_fit, "ROWS_PER_PROCESS", 8)
+    table = points(TRUE, noise=0.02, seed=3)
+    law = fit_kaplan(table, starts=8)
+    alone = kaplan_intervals(table, law, 1e5, 4e6, 2.4e12, n_resamples=30, seed=5)
+    with caplog.at_level("WARNING", logger="evaluation.kaplan_fit"):
+        split = kaplan_intervals(table, law, 1e5, 4e6, 2.4e12, n_resamples=30, seed=5, processes=3)
+    assert not caplog.records, caplog.text
+    assert split == alone
+    assert alone.n + alone.n_failed == 30

@@ -5,6 +5,8 @@ References: Fan et al. 2018 (top-k sampling); Holtzman et al. 2020 (nucleus samp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -25,6 +27,17 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def left_padded(
+    prompts: Sequence[list[int]], device: torch.device | str | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """Prompts of any lengths as one (B, longest) batch, each left-padded with its own first token, and each row's
+    padding for `generate` (None when no row is padded)."""
+    width = max(len(ids) for ids in prompts)
+    ids = torch.tensor([[row[0]] * (width - len(row)) + row for row in prompts], device=device)
+    padding = torch.tensor([width - len(row) for row in prompts], device=device)
+    return ids, padding if bool(padding.any()) else None
 
 
 @torch.no_grad()

@@ -34,7 +34,7 @@ from training.config import RLSpec
 from training.engine import Engine
 from training.loop import Batches
 from training.model.hf_interop import load_export, load_hf_config
-from training.model.sampling import generate
+from training.model.sampling import generate, left_padded
 from training.objective import Outcome
 from training.policy_gradient import (
     clipped_policy_loss,
@@ -78,11 +78,16 @@ def rollout(
     pad_id: int,
     generator: torch.Generator | None = None,
 ) -> Rollout:
-    """`group` completions of each prompt of `batch`, sampled from `policy` (the global RNG unless `generator`)."""
+    """`group` completions of each prompt of `batch`, sampled from `policy` (the global RNG unless `generator`):
+    all prompts' groups in one left-padded batch (`left_padded`), one prompt's group at a time for models without
+    softmax attention (no padding there)."""
     device = next(policy.parameters()).device
+    rows = [(ids, prompt) for ids, prompt in zip(batch.ids, batch.prompts, strict=True) for _ in range(group)]
+    per_call = len(rows) if policy.cfg.attention == "softmax" else group
     samples, clipped = [], []
-    for ids, prompt in zip(batch.ids, batch.prompts, strict=True):
-        prompts = torch.tensor([ids] * group, dtype=torch.int64, device=device)
+    for start in range(0, len(rows), per_call):
+        chunk = rows[start : start + per_call]
+        prompts, padding = left_padded([ids for ids, _ in chunk], device)
         tokens = generate(
             policy,
             prompts,
@@ -91,8 +96,9 @@ def rollout(
             top_p=spec.top_p,
             eos_id=end_of_turn,
             generator=generator,
+            padding=padding,
         )
-        for row in tokens[:, len(ids) :].tolist():
+        for (ids, prompt), row in zip(chunk, tokens[:, prompts.shape[1] :].tolist(), strict=True):
             ended = end_of_turn in row
             completion = row[: row.index(end_of_turn) + 1] if ended else row
             text = tokenizer.decode(completion, skip_special_tokens=True)
@@ -246,7 +252,7 @@ def plot_reward_and_kl(run_dir: Path) -> Path:
 
 class ReinforcementLearning(TunedFromBase):
     name = "rl"
-    version = 1
+    version = 2  # 2: every prompt's group sampled in one left-padded batch (other draws)
 
     def check(self, spec: RLSpec, inputs: Mapping[str, Artifact]) -> None:
         base, prompts = inputs["base"], inputs["data"]
