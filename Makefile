@@ -53,8 +53,10 @@ demo: bytecode
 # integration: what to run before each commit) spreads its in-process tests over TEST_WORKERS xdist workers, a
 # module per worker (~45 s less than one process here: they wait on files and subprocesses too). `make test` runs
 # those the same way, then the slow suite in one process: run side by side on xdist workers, its multi-process
-# tests (pipelines, Ray, servers) were 2-4x slower here. The two-node Ray cluster test runs last, in its own
-# process (it needs the machine's CPUs to itself). The slowest tests and the time per directory end each run.
+# tests (pipelines, Ray, servers) were 2-4x slower here; on an AMD EPYC with two real cores too (2026-12-06: 1,095 s
+# on two workers against 835 s in one process; the e2e pipeline fixture 145 -> ~400 s, built by both workers). The
+# two-node Ray cluster test runs last, in its own process (it needs the machine's CPUs to itself). The slowest tests
+# and the time per directory end each run.
 TEST_WORKERS ?= 2
 SEED ?= $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
 PYTEST := $(PY) -m pytest -q -p random_order --random-order-bucket=module --random-order-seed=$(SEED)

@@ -1,6 +1,7 @@
 """RL's sampling: its throughput inside an RL step (the stage's objective: `group_size` completions per prompt
-from the policy held by the engine) against the sampler's own `generate` on the same model, prompts and lengths
-outside any step, and the share of an RL step spent sampling; one run, one JSON line.
+from the policy held by the engine, every prompt's group in one batch) against the sampler's own `generate` on the
+same model and batch of prompts outside any step, and the share of an RL step spent sampling; one run, one JSON
+line.
 
 The model is the demo's (train_throughput.py's `demo` shape) in the plain-PyTorch engine; every completion runs
 to `--new` tokens (no end-of-turn stop), rewards are the `length` function (scoring costs ~nothing), the KL
@@ -69,8 +70,7 @@ def main() -> None:
 
     def standalone() -> None:
         with torch.no_grad():
-            for row in ids:
-                generate(model.eval(), row.repeat(args.group, 1), args.new, temperature=1.0)
+            generate(model.eval(), ids.repeat_interleave(args.group, 0), args.new, temperature=1.0)
         model.train()
 
     step_s, sampling_s, alone_s = float("inf"), float("inf"), float("inf")
