@@ -203,7 +203,7 @@ def _refits(
 ) -> list[KaplanLaw | None]:
     """`_refit` of each row of `ys`, in order, split over `processes`: this one and fresh interpreters (no fork of
     a process holding torch's and Ray's threads). Each refit is deterministic, so the laws do not depend on the
-    split; ~40 s of the demo's fit on a machine with two cores."""
+    split (the demo's 500: ~40 s in one process on an AMD EPYC, ~20 s over its two cores)."""
     chunks = np.array_split(ys, max(1, min(processes, len(ys) // ROWS_PER_PROCESS)))
     if len(chunks) == 1:
         return _refit_rows(points, ys, theta)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from training.model.sampling import generate, left_padded
+from training.model.sampling import generate, greedy_each, until_eos
 from training.model.transformer import Transformer
 
 
@@ -72,23 +72,12 @@ def generate_greedy(
     eos_id: int | None,
     batch_size: int = 16,
 ) -> list[tuple[list[int], bool]]:
-    """`generate_text`'s greedy continuation of each prompt, `batch_size` prompts at a time (longest first, each
-    left-padded to its batch's longest: `generate`'s `padding`), in the prompts' order. The same ids as one prompt
-    at a time, but where two tokens' logits tie to float rounding (the batch's GEMMs may round differently); models
-    without softmax attention go one prompt at a time."""
+    """`generate_text`'s greedy continuation of each prompt (cut from the left to leave room for `max_new_tokens`)
+    and whether it was cut, `batch_size` prompts at a time (`greedy_each`), in the prompts' order."""
     room = _room(model, max_new_tokens)
-    if model.cfg.attention != "softmax":
-        batch_size = 1
-    order = sorted(range(len(prompts)), key=lambda i: -min(len(prompts[i]), room))
-    results: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
-    with torch.inference_mode():
-        for start in range(0, len(order), batch_size):
-            rows = order[start : start + batch_size]
-            ids, padding = left_padded([prompts[i][-room:] for i in rows])
-            out = generate(model, ids, max_new_tokens, eos_id=eos_id, padding=padding)
-            for i, new in zip(rows, out[:, ids.shape[1] :].tolist(), strict=True):
-                results[i] = (_until(new, eos_id), len(prompts[i]) > room)
-    return results
+    cut = [ids[-room:] for ids in prompts]
+    new = greedy_each(model, cut, [max_new_tokens] * len(cut), eos_id, batch_size)
+    return [(ids, len(prompt) > room) for ids, prompt in zip(new, prompts, strict=True)]
 
 
 def _room(model: Transformer, max_new_tokens: int) -> int:
@@ -99,11 +88,6 @@ def _room(model: Transformer, max_new_tokens: int) -> int:
             f"max_new_tokens={max_new_tokens} leaves no room for a prompt in {model.cfg.max_seq_len} tokens"
         )
     return room
-
-
-def _until(ids: list[int], eos_id: int | None) -> list[int]:
-    """ids up to (not including) the first `eos_id`."""
-    return ids[: ids.index(eos_id)] if eos_id is not None and eos_id in ids else ids
 
 
 def generate_text(
@@ -129,4 +113,4 @@ def generate_text(
             eos_id=eos_id,
             generator=generator,
         )
-    return _until(out[0, ids.shape[1] :].tolist(), eos_id), truncated
+    return until_eos(out[0, ids.shape[1] :].tolist(), eos_id), truncated

@@ -20,6 +20,7 @@ from evaluation.tasks import Task, load_task, run_task, stdlib_import_task
 from training.model.config import ModelConfig
 from training.model.export import export_hf
 from training.model.hf_interop import load_export
+from training.model.sampling import greedy_each
 from training.model.transformer import Transformer
 from training.stages.lifecycle import TrainedModel
 
@@ -136,6 +137,24 @@ def test_batched_greedy_generation_gives_each_prompts_own_ids(attention):
     alone = [generate_text(model, p, 8, eos) for p in prompts]
     assert generate_greedy(model, prompts, 8, eos, batch_size=2) == alone
     assert [cut for _, cut in alone] == [False, False, True, False, False] and len(alone[3][0]) == 2
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_greedy_continuations_with_budgets_of_their_own_are_each_prompts_alone(attention):
+    """Prompts of 25, 20, 10 and 3 tokens given 7, 8, 12 and 25 new tokens (SFT's exact match: each reference's
+    length) in a 32-token context: a batch closes where the next prompt's budget would not fit beside its longest;
+    each continuation is the prompt's alone, cut at its budget and before the stop token. A prompt that does not fit
+    with its budget is refused."""
+    model = Transformer(ModelConfig(vocab_size=64, attention=attention, init_std=0.5, **CFG), seed=3).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (20, 3, 25, 10)]
+    budgets = [8, 25, 7, 12]
+    eos = generate_text(model, prompts[3], 12, None)[0][4]  # a token one prompt generates fifth
+    alone = [generate_text(model, p, b, eos)[0] for p, b in zip(prompts, budgets, strict=True)]
+    assert greedy_each(model, prompts, budgets, eos, batch_size=4) == alone
+    assert [len(ids) for ids in alone] != budgets  # one stopped early
+    with pytest.raises(ValueError, match="do not fit in 32"):
+        greedy_each(model, [prompts[2]], [8], eos)
 
 
 @pytest.mark.parametrize(

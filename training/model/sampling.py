@@ -40,6 +40,46 @@ def left_padded(
     return ids, padding if bool(padding.any()) else None
 
 
+def greedy_each(
+    model: Transformer,
+    prompts: Sequence[list[int]],
+    budgets: Sequence[int],
+    eos_id: int | None,
+    batch_size: int = 16,
+) -> list[list[int]]:
+    """Each prompt's greedy continuation of at most its budget's tokens, cut before `eos_id`, in the prompts' order:
+    `batch_size` prompts at a time, longest first, left-padded (`left_padded`), a batch closed where the next
+    prompt's budget would not fit beside its longest in the context. The same ids as one prompt at a time, but where
+    two tokens' logits tie to float rounding (a batch's GEMMs may round differently); models without softmax
+    attention go one prompt at a time (no padding there)."""
+    limit = model.cfg.max_seq_len
+    for ids, budget in zip(prompts, budgets, strict=True):
+        if not ids or budget < 1 or len(ids) + budget > limit:
+            raise ValueError(f"a prompt of {len(ids)} tokens and {budget} new ones do not fit in {limit}")
+    size = batch_size if model.cfg.attention == "softmax" else 1
+    results: list[list[int]] = [[] for _ in prompts]
+    batches: list[list[int]] = []
+    for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
+        batch = batches[-1] if batches else []
+        longest = len(prompts[batch[0]]) if batch else 0
+        if not batch or len(batch) == size or longest + max(budgets[j] for j in (*batch, i)) > limit:
+            batches.append([i])
+        else:
+            batch.append(i)
+    with torch.inference_mode():
+        for batch in batches:
+            ids, padding = left_padded([prompts[i] for i in batch])
+            out = generate(model, ids, max(budgets[i] for i in batch), eos_id=eos_id, padding=padding)
+            for row, i in enumerate(batch):
+                results[i] = until_eos(out[row, ids.shape[1] : ids.shape[1] + budgets[i]].tolist(), eos_id)
+    return results
+
+
+def until_eos(ids: list[int], eos_id: int | None) -> list[int]:
+    """ids up to (not including) the first `eos_id`."""
+    return ids[: ids.index(eos_id)] if eos_id is not None and eos_id in ids else ids
+
+
 @torch.no_grad()
 def generate(
     model: Transformer,

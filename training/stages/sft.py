@@ -30,7 +30,7 @@ from training.config import SFTSpec
 from training.loop import Batches
 from training.model.config import ModelConfig
 from training.model.lora import apply_lora
-from training.model.sampling import generate
+from training.model.sampling import greedy_each
 from training.model.transformer import Transformer
 from training.stages.lifecycle import (
     Progress,
@@ -151,17 +151,19 @@ def heldout_examples(data: SFTManifest, limit: int) -> list[Messages]:
 
 @torch.no_grad()
 def exact_match(model: Transformer, tokenizer: Tokenizer, examples: list[Messages]) -> float:
-    """Share of held-out prompts whose greedy answer equals the reference answer (whitespace-trimmed)."""
+    """Share of held-out prompts whose greedy answer equals the reference answer (whitespace-trimmed), each given
+    the reference's length in tokens plus 4 (at most what its context leaves); generated in batches
+    (`greedy_each`)."""
     end_id = tokenizer.token_to_id(END_OF_TURN)
-    hits = 0
+    prompts, budgets, references = [], [], []
     for messages in examples:
         reference = messages[-1]["content"]
-        prompt = render(messages[:-1])[0] + "<|assistant|>\n"
-        ids = torch.tensor([tokenizer.encode(prompt).ids])
-        budget = min(len(tokenizer.encode(reference).ids) + 4, model.cfg.max_seq_len - ids.shape[1])
-        if budget <= 0:
-            continue
-        out = generate(model.eval(), ids, budget, eos_id=end_id)[0, ids.shape[1] :].tolist()
-        answer = tokenizer.decode(out[: out.index(end_id)] if end_id in out else out)
-        hits += answer.strip() == reference.strip()
+        ids = tokenizer.encode(render(messages[:-1])[0] + "<|assistant|>\n").ids
+        budget = min(len(tokenizer.encode(reference).ids) + 4, model.cfg.max_seq_len - len(ids))
+        if budget > 0:
+            prompts.append(ids)
+            budgets.append(budget)
+            references.append(reference)
+    answers = greedy_each(model.eval(), prompts, budgets, end_id) if prompts else []
+    hits = sum(tokenizer.decode(a).strip() == r.strip() for a, r in zip(answers, references, strict=True))
     return hits / max(len(examples), 1)
