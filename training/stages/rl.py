@@ -82,11 +82,11 @@ def rollout(
     all prompts' groups in one left-padded batch (`left_padded`), one prompt's group at a time for models without
     softmax attention (no padding there)."""
     device = next(policy.parameters()).device
-    rows = [(ids, prompt) for ids, prompt in zip(batch.ids, batch.prompts, strict=True) for _ in range(group)]
-    per_call = len(rows) if policy.cfg.attention == "softmax" else group
+    completions = [(ids, p) for ids, p in zip(batch.ids, batch.prompts, strict=True) for _ in range(group)]
+    per_call = len(completions) if policy.cfg.attention == "softmax" else group
     samples, clipped = [], []
-    for start in range(0, len(rows), per_call):
-        chunk = rows[start : start + per_call]
+    for start in range(0, len(completions), per_call):
+        chunk = completions[start : start + per_call]
         prompts, padding = left_padded([ids for ids, _ in chunk], device)
         tokens = generate(
             policy,

@@ -164,6 +164,6 @@ def exact_match(model: Transformer, tokenizer: Tokenizer, examples: list[Message
             prompts.append(ids)
             budgets.append(budget)
             references.append(reference)
-    answers = greedy_each(model.eval(), prompts, budgets, end_id) if prompts else []
+    answers = greedy_each(model.eval(), prompts, budgets, end_id)
     hits = sum(tokenizer.decode(a).strip() == r.strip() for a, r in zip(answers, references, strict=True))
     return hits / max(len(examples), 1)
