@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import pickle
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from scipy.optimize import OptimizeResult, least_squares
 
 from evaluation.law_noise import NoiseModel, residual_noise
 from evaluation.scaling_data import ScalingPoints
+from infra.cores import one_thread_env
 
 ROBUST_SCALE = 0.02
 N_STARTS = 60
@@ -220,13 +220,12 @@ def _refit_rows(points: ScalingPoints, ys: np.ndarray, theta: np.ndarray) -> lis
 def _refit_elsewhere(points: ScalingPoints, ys: np.ndarray, theta: np.ndarray) -> list[KaplanLaw | None]:
     """`_refit_rows` in a fresh one-thread interpreter; in this one where that fails (it only costs time)."""
     root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     try:
         done = subprocess.run(
             [sys.executable, "-c", _REFIT_ELSEWHERE, root],
             input=pickle.dumps((points, ys, theta)),
             capture_output=True,
-            env=env,
+            env=one_thread_env(),
             check=True,
         )
         return pickle.loads(done.stdout)

@@ -32,9 +32,19 @@ print(n / seconds)
 FULL_PACE = 0.8
 
 
+def one_thread_env() -> dict[str, str]:
+    """This process's environment for a child that runs one BLAS/OpenMP thread."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def cores_each(processes: int) -> int:
+    """The CPUs each of `processes` side by side gets as its threads: an equal share, at least one."""
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
 def _rates(processes: int, seconds: float) -> list[float]:
     """GEMMs per second of each of `processes` probes run at once, one BLAS thread each."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = one_thread_env()
     start = time.time() + 0.3  # after every interpreter has started
     probes = [
         subprocess.Popen(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from torch import nn
 
 from data_pipeline.loader import SampledLoader
 from infra import mirror
+from infra.cores import cores_each
 from infra.object_store import is_remote, open_store
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_json
@@ -242,7 +242,7 @@ def train_worker(config: dict[str, Any], progress: Progress | None = None) -> No
     init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     parallel = spec.parallel.model_copy(update={"world_size": world})  # this attempt's (elastic: maybe fewer)
-    torch.set_num_threads(parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(parallel.threads_per_worker or cores_each(world))
     torch.manual_seed(train.seed)
     model = job.stage.build_model(job)
     engine = build_engine(model, spec.optim, parallel, train)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from data_pipeline.shards import DatasetManifest
 from infra.config import override
-from infra.cores import parallel_cores
+from infra.cores import cores_each, parallel_cores
 from infra.environment import environment
 from infra.errors import Preempted
 from infra.object_store import is_remote
@@ -428,7 +428,7 @@ def shared_cores(trial: PretrainSpec, concurrency: int) -> PretrainSpec:
     ran 4-10x slower than alone (their threads spinning against each other)."""
     if concurrency == 1 or trial.parallel.threads_per_worker is not None:
         return trial
-    return override(trial, {"parallel.threads_per_worker": max(1, (os.cpu_count() or 1) // concurrency)})
+    return override(trial, {"parallel.threads_per_worker": cores_each(concurrency)})
 
 
 def _run_trials(
