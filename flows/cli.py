@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flows.logs import show_lmforge_logs
 from flows.recipe import ConfigError, apply_overrides, load_recipe, validate_recipe
 from infra.allocator import keep_freed_memory
 from infra.errors import UserError, expected_failure
@@ -202,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
+        show_lmforge_logs()
         return handler(args)
     except (UserError, ValueError) as error:  # ValueError: the libraries' validation messages
         print(f"lmforge: error: {error}", file=sys.stderr)

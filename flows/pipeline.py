@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from flows import registry
+from flows.logs import send_to_prefect_runs, show_lmforge_logs
 from flows.recipe import Recipe, load_recipe
 from flows.runner import Direct
 from flows.stage_def import Given, Inputs, StageDef, Toggle
@@ -39,7 +40,13 @@ def transient(task_: Any, task_run: Any, state: Any) -> bool:
 
 
 class PrefectRunner(Direct):
-    """Each stage call is a Prefect task run (progress prints into the flow's log); headlines become artifacts."""
+    """Each stage call is a Prefect task run (progress prints into the flow's log); headlines become artifacts.
+    lmforge's own log records join the runs' logs too, wherever the flow runs (the CLI, a Prefect worker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        show_lmforge_logs()
+        send_to_prefect_runs()
 
     def call(self, stage: StageDef[Any], recipe: Recipe, inputs: Inputs) -> Any:
         wrapped = task(

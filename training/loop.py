@@ -327,7 +327,7 @@ def train_loop(
                     }
                     log(spike, state.step)
                     what = f"step {state.step}: the gradient norm {outcome.grad_norm:.4f} (its update is applied)"
-                    log_spike(what, norm_limit, cfg, train, setup.rank, logging.INFO)
+                    log_spike(what, norm_limit, cfg, train, setup.rank, logging.DEBUG)
                 elif cfg.spike_window:
                     state.recent_grad_norms = [*state.recent_grad_norms, outcome.grad_norm][
                         -cfg.spike_window :

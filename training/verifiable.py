@@ -99,5 +99,5 @@ def _kill_group(pid: int) -> None:
 
 
 def _verdict(reward: float, status: Literal["failed", "timeout", "error"], detail: str) -> Verdict:
-    log.info("sandboxed tests %s: %s", status, detail)
+    log.debug("sandboxed tests %s: %s", status, detail)
     return Verdict(reward, status, detail)

@@ -298,6 +298,25 @@ def test_stage_artifacts_are_published_to_prefect(served_run):
     }
 
 
+def test_lmforge_log_records_join_the_stage_task_runs_logs(served_run):
+    """What lmforge logs at INFO inside a stage (here the sweep's concurrency) shows in the Prefect UI's run
+    logs, on the stage's task run."""
+    from prefect import get_client
+
+    flow_run, _, _, _ = served_run
+
+    async def logged() -> list:
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        async with get_client() as client:
+            return await client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id]))
+            )
+
+    ours = [log for log in asyncio.run(logged()) if log.name == "training.stages.sweep"]
+    assert any("trial(s) at once" in log.message and log.task_run_id is not None for log in ours), ours
+
+
 def test_invalid_parameters_are_refused_before_work(services):
     from flows.pipeline import PipelineParams
 

@@ -443,7 +443,7 @@ def test_gradient_norm_spikes_are_counted_and_logged_but_not_undone(tmp_path: Pa
     """A gradient ten times too large at an unchanged loss (step 12): counted and logged with its step; its update
     is applied (the norm is known only after it), and it does not count toward the roll-back, even at
     `rollback_spikes=1`: healthy small runs have such norms (30 in 12 of the 156 runs of one test-suite run)."""
-    caplog.set_level(logging.INFO, logger="training.loop")
+    caplog.set_level(logging.DEBUG, logger="training.loop")
     clean, clean_state = spiky_run(tmp_path / "clean", set(), 20)
     assert clean_state.grad_spikes == 0
     spiked, state = spiky_run(

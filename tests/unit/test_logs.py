@@ -1,0 +1,49 @@
+"""lmforge's INFO records reach the console once, before and after Prefect sets up its logging; a bad
+`LMFORGE_LOG_LEVEL` is one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+
+SCRIPT = """
+import logging
+from flows.logs import send_to_prefect_runs, show_lmforge_logs
+
+show_lmforge_logs()
+log = logging.getLogger("training.loop")
+log.info("resumed before Prefect")
+log.debug("a debug record")
+import prefect  # noqa: E402  its logging setup replaces the root's handlers with its console
+send_to_prefect_runs()
+log.info("resumed after Prefect")  # outside any flow run: printed, not sent
+"""
+
+
+def test_info_records_print_once_before_and_after_prefect_sets_up_its_logging(tmp_path: Path) -> None:
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path), "PYTHONWARNINGS": "default"}
+    env.pop("LMFORGE_LOG_LEVEL", None)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("resumed before Prefect") == 1, done.stderr
+    assert done.stderr.count("resumed after Prefect") == 1, done.stderr
+    assert "training.loop" in done.stderr and "a debug record" not in done.stderr
+    assert "flow run" not in done.stderr  # no "attempted to send logs to the API without a flow run id"
+
+
+def test_a_log_level_that_is_none_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LMFORGE_LOG_LEVEL", "loud")
+    assert main(["model", "summary", "smoke"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "LMFORGE_LOG_LEVEL=LOUD is not a level: use one of DEBUG" in err, err
