@@ -104,13 +104,11 @@ def target_budget(recipe: Recipe) -> float:
     return float(recipe.sweep.target_budget or recipe.sweep.rung_multiple * max(recipe.sweep.budgets))
 
 
-def fit_sweep(
-    recipe: Recipe, sweep: SweepResult, data: DatasetManifest | None, n_bootstrap: int = 2000
-) -> ScalingFit:
+def fit_sweep(recipe: Recipe, sweep: SweepResult, data: DatasetManifest | None) -> ScalingFit:
     """The fit of the sweep's results for the target budget, with the loss (and the probe's task loss) it
     predicts for the model sized there, made before that model trains: a cached step (`<output_dir>/fit/`) keyed
     by the sweep, the data and what sizing reads (the recipe's model, run and sweep sections)."""
-    budget = target_budget(recipe)
+    budget, n_bootstrap = target_budget(recipe), recipe.sweep.bootstrap_resamples
     config = {
         "budget": budget,
         "n_bootstrap": n_bootstrap,

@@ -416,6 +416,9 @@ class SweepConfig(BaseModel):
     # the law form that sizes the rung and predicts it: auto, the one closer on the held-out budget
     # (evaluation/law_form.py); on the demo's d3w48 rung Chinchilla's predicted 4.7% high, Kaplan's 1.2% high
     law_form: LawForm = "auto"
+    # the fit's resampled laws (Chinchilla's bootstrap; Kaplan's form refits a quarter as many): more, steadier
+    # interval ends; Kaplan's refits are most of the fit's time (~40 s for the demo's 500 on one core)
+    bootstrap_resamples: int = Field(2000, ge=100)
     probe: Literal["humaneval"] | None = None  # a downstream task loss measured at every point
     curve_points: PositiveInt = 8  # validation losses along each run and the rung: the loss-curve law's data
 

@@ -297,7 +297,7 @@ def run_sweep(spec: SweepSpec, data: DatasetManifest, progress: TrialProgress | 
             + (" (every pair was left out: " + "; ".join(skipped) + ")" if skipped else "")
         )
     # what the fit does with the sweep, and how many trials run at once, do not change its results
-    execution = {"target_budget", "rung_multiple", "law_form", "max_concurrent"}
+    execution = {"target_budget", "rung_multiple", "law_form", "bootstrap_resamples", "max_concurrent"}
     config = {
         "sweep": spec.sweep.model_dump(mode="json", exclude=execution),
         "runs": spec.base.key(),
