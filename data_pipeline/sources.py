@@ -172,6 +172,28 @@ def glob_root(pattern: str) -> Path:
     return Path(pattern).parent
 
 
+def local_files(spec: str) -> list[Path]:
+    """The files a local glob in `data.sources` names, sorted; refused in one line when it names none or a file
+    of a type lmforge does not read."""
+    matches = sorted(Path(p) for p in glob(spec, recursive=True) if Path(p).is_file())
+    if not matches:
+        raise DataError(f"data.sources: no files match {spec!r} (relative to {Path.cwd()}); check the glob")
+    unsupported = [p for p in matches if _kind(p) not in SUFFIXES]
+    if unsupported:
+        raise DataError(
+            f"data.sources: {unsupported[0]} has an unsupported type; use {', '.join(SUFFIXES)} (optionally .gz)"
+        )
+    return matches
+
+
+def check_local_sources(cfg: DataConfig) -> None:
+    """`local_files` of each local source, before anything runs (the standard library, Hugging Face datasets
+    and object storage are checked when read)."""
+    for spec in cfg.sources:
+        if spec != "stdlib" and not spec.startswith("hf:") and not is_remote(spec):
+            local_files(spec)
+
+
 class Corpus:
     """The configured sources as one ordered stream of documents, with a content fingerprint."""
 
@@ -189,17 +211,7 @@ class Corpus:
             return _Source(spec, None, (), hf_spec=spec.removeprefix("hf:"))
         if is_remote(spec):
             return self._resolve_remote(spec)
-        matches = sorted(Path(p) for p in glob(spec, recursive=True) if Path(p).is_file())
-        if not matches:
-            raise DataError(
-                f"data.sources: no files match {spec!r} (relative to {Path.cwd()}); check the glob"
-            )
-        unsupported = [p for p in matches if _kind(p) not in SUFFIXES]
-        if unsupported:
-            raise DataError(
-                f"data.sources: {unsupported[0]} has an unsupported type; use {', '.join(SUFFIXES)} (optionally .gz)"
-            )
-        return _Source(spec, glob_root(spec), tuple(matches), relative_ids=True)
+        return _Source(spec, glob_root(spec), tuple(local_files(spec)), relative_ids=True)
 
     def _resolve_remote(self, spec: str) -> _Source:
         """A glob over object storage (`s3://bucket/corpus/**/*.jsonl`): listed now, each file downloaded into

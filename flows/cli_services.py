@@ -98,10 +98,10 @@ def switches(args: argparse.Namespace) -> dict[str, bool]:
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
     from flows.recipe import load_recipe
-    from flows.registry import pipeline_stages, preflight
+    from flows.registry import enable, pipeline_stages, preflight
 
     recipe = load_recipe(args.recipe, args.set)  # refuse bad input before starting anything
-    preflight(recipe, pipeline_stages(switches(args), args.size))
+    preflight(recipe, enable(pipeline_stages(switches(args), args.size)))
     state = Path(recipe.output_dir) / "services"
     with prefect_api(state):  # Prefect reads its settings once, at import: import it inside
         from flows.pipeline import pipeline

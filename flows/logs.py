@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from infra.errors import UserError
+from infra.errors import UserError, expected_failure
 
 PACKAGES = ("infra", "data_pipeline", "training", "evaluation", "flows")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -49,12 +49,33 @@ def show_lmforge_logs() -> None:
         root.addHandler(_Console())
 
 
+class _OneLineUserErrors(logging.Filter):
+    """Prefect logs a failed run's exception with its traceback. Bad input, which the CLI ends in one line (a
+    `UserError`, a library's `ValueError`, an expected OS failure), is that line in the run's log too: the
+    record's message names the error. `LMFORGE_DEBUG=1` keeps every traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        bad_input = isinstance(error, UserError | ValueError) or (
+            error is not None and expected_failure(error) is not None
+        )
+        if bad_input and not os.environ.get("LMFORGE_DEBUG"):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def send_to_prefect_runs() -> None:
     """Inside a Prefect flow or task run, lmforge's records also go to that run's logs (the Prefect UI); outside
     one they only print. Prefect's `PREFECT_LOGGING_EXTRA_LOGGERS` does the first but warns on every record
-    outside a run, which the CLI's stage commands log all the time."""
+    outside a run, which the CLI's stage commands log all the time. The runs' own records of bad input lose
+    their tracebacks (`_OneLineUserErrors`)."""
     from prefect.context import FlowRunContext, TaskRunContext
     from prefect.logging.handlers import APILogHandler
+
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OneLineUserErrors) for f in logger.filters):
+            logger.addFilter(_OneLineUserErrors())
 
     class _InRuns(APILogHandler):
         def emit(self, record: logging.LogRecord) -> None:

@@ -102,7 +102,7 @@ class PipelineBase(RecipeParams):
 
     @model_validator(mode="after")
     def _stages_take_the_recipe(self) -> PipelineBase:
-        registry.preflight(self.load(), registry.pipeline_stages(self.switches(), self.size))
+        registry.preflight(self.load(), registry.enable(registry.pipeline_stages(self.switches(), self.size)))
         return self
 
     def load(self) -> Recipe:

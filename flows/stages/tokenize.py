@@ -26,6 +26,12 @@ def run(recipe: Recipe, inputs: Inputs, progress: ItemProgress | None) -> Datase
     return data
 
 
+def check_sources(recipe: Recipe) -> None:
+    from data_pipeline.sources import check_local_sources
+
+    check_local_sources(recipe.data)
+
+
 def headline(data: DatasetManifest) -> dict[str, Any]:
     train, val = data.splits["train"], data.splits["val"]
     return {"tokens (train)": train.n_tokens, "tokens (val)": val.n_tokens, "directory": data.path}
@@ -53,6 +59,7 @@ TOKENIZE: StageDef[DatasetManifest] = StageDef(
     section="data",
     config=DataConfig,
     progress="items",
+    preflight=check_sources,
     headline=headline,
     report=report,
     outputs=lambda recipe, inputs, data: {"token shards": data.path},

@@ -125,6 +125,21 @@ def test_a_registering_pipeline_refuses_attention_without_a_llama_layout(capsys)
     preflight(linear, pipeline_stages({"register_model": False}, "fit"))
 
 
+def test_a_pipeline_whose_sources_match_no_file_is_refused_before_anything_starts(tmp_path, capsys) -> None:
+    """Tokenization is no target of the pipeline but what every target needs: its sources are checked with the
+    targets', before a Prefect server, an MLflow store or the output directory exist; the UI's form the same."""
+    from flows.cli import main
+
+    out = tmp_path / "out"
+    missing = f"data.sources=[{tmp_path}/corpus/*.jsonl]"
+    assert main(["pipeline", "smoke", "--set", missing, "--set", f"output_dir={out}"]) == 2
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and f"no files match '{tmp_path}/corpus/*.jsonl'" in message, message
+    assert not out.exists()
+    with pytest.raises(ValueError, match="no files match"):
+        PipelineParams(recipe="smoke", overrides=[missing])
+
+
 def test_a_corrupt_services_file_is_one_line_naming_it(tmp_path, capsys):
     from flows.cli import main
 
