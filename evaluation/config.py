@@ -14,6 +14,7 @@ LOWER_IS_BETTER = ("loss", "bits_per_byte", "perplexity", "response_loss")
 
 LOSS = "heldout/all/loss"  # the held-out metrics the frontier and the gates compare
 BPB = "heldout/all/bits_per_byte"
+GAIN_LOW = "rl/heldout_reward_gain_low"  # an RL model's held-out reward gain over its base, 95% lower end
 
 
 class Gate(BaseModel):
@@ -53,7 +54,8 @@ DEFAULT_DPO_GATES = (  # a preference-tuned model against the model it started f
     Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # or the pretraining text
 )
 DEFAULT_RL_GATES = (  # an RL model against the model it started from
-    Gate(metric="rl/heldout_reward", improve=True),  # the reward rose on held-out prompts
+    # the reward rose on held-out prompts beyond its draws' noise: the lower end of the gain's 95% interval
+    Gate(metric=GAIN_LOW, improve=True),  # (paired over the prompts) above the base's 0
     Gate(metric="sft-heldout-em/response_loss", tolerance=0.05),  # the tax: the answers are not unlearned
     Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # nor the pretraining text
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import BaseModel
 
+from training.bootstrap import mean_interval
 from training.config import LawForm
 
 FORMS = ("chinchilla", "kaplan")
@@ -63,10 +64,4 @@ def heldout_gap(
     resampled with replacement: both forms are scored on the same points, so what their errors share (a run's
     own luck) cancels and what is left is how far the budget tells the forms apart."""
     diff = np.asarray(kaplan, dtype=float) - np.asarray(chinchilla, dtype=float)
-    labels, index = np.unique(runs, return_inverse=True)
-    sums = np.bincount(index, weights=diff, minlength=len(labels))
-    counts = np.bincount(index, minlength=len(labels))
-    draws = np.random.default_rng(seed).integers(0, len(labels), (n_resamples, len(labels)))
-    means = sums[draws].sum(1) / counts[draws].sum(1)
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return float(lo), float(hi)
+    return mean_interval(diff, runs, n_resamples=n_resamples, seed=seed)

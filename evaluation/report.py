@@ -13,7 +13,7 @@ from typing import Any
 
 from data_pipeline.preference import Pair, read_heldout_pairs
 from data_pipeline.sources import Corpus
-from evaluation.config import EvalConfig, EvalSpec
+from evaluation.config import GAIN_LOW, EvalConfig, EvalSpec
 from evaluation.favor_error import favor_error
 from evaluation.heldout import heldout_documents, heldout_metrics
 from evaluation.model_io import EvalModel, load_for_eval
@@ -218,21 +218,24 @@ def _evaluate(
 
 
 def rl_metrics(models: list[TrainedModel], names: list[str]) -> dict[str, dict[str, float]]:
-    """By column: an RL model's held-out reward and KL to its base, as its stage measured them (the same held-out
-    prompts, seed and reward functions for the RL model and the base), and its base's (KL 0) when it is a
-    column too."""
+    """By column: an RL model's held-out reward, the lower end of its gain's 95% interval (paired over the
+    prompts) and KL to its base, as its stage measured them (the same held-out prompts, seed and reward functions
+    for the RL model and the base), and its base's (no gain, KL 0) when it is a column too."""
     columns = {ref.path: name for name, ref in zip(names, models, strict=True)}
     out: dict[str, dict[str, float]] = {}
     for name, ref in zip(names, models, strict=True):
         if ref.kind.startswith("rl"):
             s = ref.summary
+            gain = {GAIN_LOW: s[GAIN_LOW]} if GAIN_LOW in s else {}
             out[name] = {
                 "rl/heldout_reward": s["rl/heldout_reward_after"],
+                **gain,
                 "rl/kl_to_base": s["rl/heldout_kl"],
             }
             if ref.base_run_dir in columns:
                 out[columns[ref.base_run_dir]] = {
                     "rl/heldout_reward": s["rl/heldout_reward_before"],
+                    **dict.fromkeys(gain, 0.0),
                     "rl/kl_to_base": 0.0,
                 }
     return out

@@ -30,6 +30,7 @@ HEADLINE = (
     "sft-heldout-em/response_loss",
     "preference-heldout/accuracy",
     "rl/heldout_reward",
+    "rl/heldout_reward_gain_low",
 )
 
 

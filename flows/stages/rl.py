@@ -60,7 +60,9 @@ def report(recipe: Recipe, inputs: Inputs, model: TrainedModel) -> str:
     lines = [
         f"prompts     {inputs['prompts'].path}",
         describe_tuned(model),
-        f"held-out    reward {s['rl/heldout_reward_before']:.3f} -> {s['rl/heldout_reward_after']:.3f}, "
+        f"held-out    reward {s['rl/heldout_reward_before']:.3f} -> {s['rl/heldout_reward_after']:.3f} (gain "
+        f"{s['rl/heldout_reward_gain']:+.3f}, 95% [{s['rl/heldout_reward_gain_low']:+.3f}, "
+        f"{s['rl/heldout_reward_gain_high']:+.3f}] over the prompts), "
         f"KL to the base {s['rl/heldout_kl']:.4f} nats/token ({run / 'reward_kl.png'})",
     ]
     for shown in json.loads((run / "samples.json").read_text())[:2]:

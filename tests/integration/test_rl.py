@@ -57,6 +57,11 @@ def test_grpo_learns_the_digits_task_and_lr_zero_stays_flat(digits) -> None:
     s, f = learned.summary, frozen.summary
     assert s["rl/heldout_reward_before"] < 0.05 < 0.5 < s["rl/heldout_reward_after"], s
     assert s["rl/heldout_kl"] > 0.5 and f["rl/heldout_kl"] < 1e-3, (s, f)  # reward was bought with KL
+    # the gain's paired interval (eight completions a held-out prompt): clear of 0 for the run that learned
+    assert (
+        0.3 < s["rl/heldout_reward_gain_low"] < s["rl/heldout_reward_gain"] < s["rl/heldout_reward_gain_high"]
+    )
+    assert f["rl/heldout_reward_gain_low"] <= 0.0 <= f["rl/heldout_reward_gain_high"], f
     record = next(m for m in read_metrics(learned.path) if "rewards/mean" in m)
     for key in (
         "kl",
@@ -73,6 +78,7 @@ def test_grpo_learns_the_digits_task_and_lr_zero_stays_flat(digits) -> None:
         assert key in record, key
     shown = json.loads((Path(learned.path) / "samples.json").read_text())
     assert len(shown) == 4 and all(set(x) == {"prompt", "base", "trained"} for x in shown)
+    assert len({x["prompt"] for x in shown}) == 4  # four prompts, each its first completion
     assert (Path(learned.path) / "reward_kl.png").stat().st_size > 10_000
 
 

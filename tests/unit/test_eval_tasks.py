@@ -240,6 +240,38 @@ def test_expert_load_shares_sum_to_one_per_layer():
     assert any(".experts." in k for k in spectra) and all(v["effective_rank"] > 0 for v in spectra.values())
 
 
+def test_an_rl_models_reward_gate_passes_only_on_a_gain_beyond_its_draws_noise() -> None:
+    """The held-out reward rose in both cases; the gate reads the lower end of the gain's paired 95% interval
+    against the base's 0, so a rise inside the noise (the demo's, with one completion a prompt) does not pass."""
+    from types import SimpleNamespace
+
+    from evaluation.config import EvalConfig
+    from evaluation.gates import gate_results
+    from evaluation.report import EvalReport, rl_metrics
+
+    base = SimpleNamespace(path="/runs/sft", kind="lora", base_run_dir=None, summary={}, export_valid=True)
+    for low, passes in ((0.018, True), (-0.046, False)):
+        summary = {
+            "rl/heldout_reward_before": -0.248,
+            "rl/heldout_reward_after": -0.242,
+            "rl/heldout_reward_gain_low": low,
+            "rl/heldout_kl": 0.04,
+        }
+        rl = SimpleNamespace(
+            path="/runs/rl", kind="rl-full", base_run_dir="/runs/sft", summary=summary, export_valid=True
+        )
+        columns = rl_metrics([base, rl], ["lora", "rl-full"])
+        assert columns["lora"]["rl/heldout_reward_gain_low"] == 0.0
+        metrics = {
+            metric: {name: values[metric] for name, values in columns.items()}
+            for metric in columns["rl-full"]
+        }
+        gates, _ = gate_results(
+            EvalReport.model_construct(metrics=metrics), "rl-full", "lora", rl, EvalConfig()
+        )
+        assert gates["rl/heldout_reward_gain_low"] is passes, (low, gates)
+
+
 def test_gates_compare_in_each_metrics_direction_and_name_what_was_not_measured() -> None:
     from types import SimpleNamespace
 

@@ -9,6 +9,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,3 +188,21 @@ def test_a_rollout_samples_every_prompts_group_in_one_padded_batch_as_each_alone
         n_prompt, n = len(sample.prompt_ids), len(sample.prompt_ids) + len(sample.completion_ids)
         assert got.batch.inputs[row, : n - 1].tolist() == (sample.prompt_ids + sample.completion_ids)[:-1]
         assert got.batch.targets[row, : n - 1].tolist() == [-100] * (n_prompt - 1) + sample.completion_ids
+
+
+def test_the_reward_gain_is_paired_and_resamples_whole_prompts() -> None:
+    """A prompt's difficulty moves its before and after alike and cancels; what a prompt adds to its own gain is
+    shared by its completions, so the interval is as wide as the prompts' spread says (1.96·sd/√prompts each
+    side), not √completions narrower."""
+    from training.stages.rl import reward_gain
+
+    rng = np.random.default_rng(0)
+    prompts, samples = 400, 8
+    difficulty = np.repeat(rng.normal(0.0, 1.0, prompts), samples)
+    own_gain = np.repeat(rng.normal(0.03, 0.1, prompts), samples)
+    before = difficulty + rng.normal(0.0, 0.01, prompts * samples)
+    after = difficulty + own_gain + rng.normal(0.0, 0.01, prompts * samples)
+    gain = reward_gain(before, after, samples)
+    low, high = gain["rl/heldout_reward_gain_low"], gain["rl/heldout_reward_gain_high"]
+    assert low < gain["rl/heldout_reward_gain"] < high and low > 0.0
+    assert (high - low) / 2 == pytest.approx(1.96 * 0.1 / np.sqrt(prompts), rel=0.2)

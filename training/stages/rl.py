@@ -30,6 +30,7 @@ from data_pipeline.sources import DataError
 from infra.steps import Artifact
 from infra.storage import atomic_write_json
 from infra.tracking import Tracker
+from training.bootstrap import mean_interval
 from training.config import RLSpec
 from training.engine import Engine
 from training.loop import Batches
@@ -55,7 +56,7 @@ from training.stages.lifecycle import (
 )
 from training.stages.tuning import TunedFromBase, check_tokenizer, export_tuned
 
-SHOWN = 4  # held-out completions kept in samples.json, base and trained
+SHOWN = 4  # held-out prompts whose first completion, the base's and the trained model's, samples.json keeps
 
 
 @dataclass(frozen=True)
@@ -208,11 +209,24 @@ def heldout_rollout(
     end_of_turn: int,
     pad_id: int,
 ) -> Rollout:
-    """One completion per held-out prompt from `policy`, on a fixed seed (the same draws for any model)."""
+    """`rl.eval_samples` completions per held-out prompt from `policy` (each prompt's together), on a fixed seed
+    (the same draws for any model)."""
     policy.eval()
     generator = torch.Generator().manual_seed(spec.train.seed)
     batch = PromptBatch([ids for _, ids in records], [prompt for prompt, _ in records])
-    return rollout(policy, batch, 1, spec, tokenizer, end_of_turn, pad_id, generator)
+    return rollout(policy, batch, spec.eval_samples, spec, tokenizer, end_of_turn, pad_id, generator)
+
+
+def reward_gain(before: np.ndarray, after: np.ndarray, samples: int) -> dict[str, float]:
+    """The held-out reward's gain (after minus before; each prompt's `samples` completions together, in order)
+    and its 95% interval over the prompts resampled: paired, so what a prompt's difficulty adds to both cancels."""
+    diff = np.asarray(after, dtype=float) - np.asarray(before, dtype=float)
+    low, high = mean_interval(diff, np.arange(diff.size) // samples)
+    return {
+        "rl/heldout_reward_gain": float(diff.mean()),
+        "rl/heldout_reward_gain_low": low,
+        "rl/heldout_reward_gain_high": high,
+    }
 
 
 @torch.no_grad()
@@ -252,7 +266,9 @@ def plot_reward_and_kl(run_dir: Path) -> Path:
 
 class ReinforcementLearning(TunedFromBase):
     name = "rl"
-    version = 2  # 2: every prompt's group sampled in one left-padded batch (other draws)
+    version = (
+        3  # 2: every prompt's group sampled in one left-padded batch (other draws); 3: eval_samples each
+    )
 
     def check(self, spec: RLSpec, inputs: Mapping[str, Artifact]) -> None:
         base, prompts = inputs["base"], inputs["data"]
@@ -333,6 +349,7 @@ class ReinforcementLearning(TunedFromBase):
             **tuned.counts("rl"),
             "rl/heldout_reward_before": float(before.total.mean()),
             "rl/heldout_reward_after": float(after.total.mean()),
+            **reward_gain(before.total, after.total, spec.eval_samples),
             **{f"rl/heldout_{name}_before": float(v.mean()) for name, v in before.by_function.items()},
             **{f"rl/heldout_{name}_after": float(v.mean()) for name, v in after.by_function.items()},
             "rl/heldout_kl": kl_on_samples(tuned.model, reference, sampled),
@@ -342,7 +359,11 @@ class ReinforcementLearning(TunedFromBase):
         }
         shown = [
             {"prompt": s.prompt.messages[-1]["content"], "base": b.text, "trained": s.text}
-            for b, s in zip(base_sampled.samples[:SHOWN], sampled.samples[:SHOWN], strict=True)
+            for b, s in zip(
+                base_sampled.samples[:: spec.eval_samples][:SHOWN],
+                sampled.samples[:: spec.eval_samples][:SHOWN],
+                strict=True,
+            )
         ]
         atomic_write_json(job.run_dir / "samples.json", shown)
         atomic_write_json(job.run_dir / "rl_summary.json", summary)
