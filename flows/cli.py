@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from flows.logs import show_lmforge_logs
-from flows.recipe import ConfigError, apply_overrides, load_recipe, validate_recipe
+from flows.recipe import ConfigError, apply_overrides, format_validation_error, load_recipe, validate_recipe
 from infra.allocator import keep_freed_memory
 from infra.errors import UserError, expected_failure
 
@@ -197,6 +199,14 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
 QUIET_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
+def one_line(error: Exception) -> str:
+    """The error's message on one line: a pydantic validation error (the pipeline's parameters, a stage's spec) as
+    `field: what is wrong (got value)`, several joined by semicolons."""
+    if isinstance(error, ValidationError):
+        return format_validation_error(error).replace("\n", "; ")
+    return str(error)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
@@ -206,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         show_lmforge_logs()
         return handler(args)
     except (UserError, ValueError) as error:  # ValueError: the libraries' validation messages
-        print(f"lmforge: error: {error}", file=sys.stderr)
+        print(f"lmforge: error: {one_line(error)}", file=sys.stderr)
         return 2
     except Exception as error:
         if (line := expected_failure(error)) is None or os.environ.get("LMFORGE_DEBUG"):

@@ -23,6 +23,12 @@ def run_sweep(recipe: Recipe, inputs: Inputs, progress: TrialProgress | None) ->
     return run_sweep(recipe.sweep_spec(), inputs["data"], progress=progress)
 
 
+def check_sweep(recipe: Recipe) -> None:
+    from training.stages.sweep import planned_trials
+
+    planned_trials(recipe.sweep_spec())
+
+
 def sweep_report(recipe: Recipe, inputs: Inputs, result: SweepResult) -> str:
     lines = [f"left out   {line}" for line in result.skipped]
     lines.append(
@@ -50,6 +56,7 @@ SWEEP: StageDef[SweepResult] = StageDef(
     section="sweep",
     config=SweepConfig,
     progress="trials",
+    preflight=check_sweep,
     headline=lambda r: {
         "trials": r.n_trials,
         "completed": r.n_completed,

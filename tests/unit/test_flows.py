@@ -140,6 +140,35 @@ def test_a_pipeline_whose_sources_match_no_file_is_refused_before_anything_start
         PipelineParams(recipe="smoke", overrides=[missing])
 
 
+def test_a_sweep_with_no_trial_is_refused_before_anything_starts(tmp_path, capsys) -> None:
+    """Budgets too small for any size's `sweep.min_steps`: one line naming each pair left out, before tokenizing."""
+    from flows.cli import main
+
+    out = tmp_path / "out"
+    assert main(["pipeline", "smoke", "--set", "sweep.budgets=[1e5]", "--set", f"output_dir={out}"]) == 2
+    message = capsys.readouterr().err.strip()
+    assert (
+        "\n" not in message and "sweep has no trials" in message and "1 steps < sweep.min_steps=10" in message
+    )
+    assert not out.exists()
+
+
+def test_a_validation_error_of_the_pipelines_parameters_is_one_line_naming_each_field() -> None:
+    """What `lmforge pipeline --budget -5` prints after `lmforge: error: ` (pydantic's own message is four lines)."""
+    from pydantic import ValidationError
+
+    from flows.cli import one_line
+
+    with pytest.raises(ValidationError) as one:
+        PipelineParams(recipe="smoke", budget=-5.0)
+    assert one_line(one.value) == "budget: Input should be greater than 0 (got -5.0)"
+    with pytest.raises(ValidationError) as two:
+        PipelineParams(recipe="smoke", budget=-5.0, rung_multiple=0.0)
+    assert one_line(two.value) == (
+        "budget: Input should be greater than 0 (got -5.0); rung_multiple: Input should be greater than 0 (got 0.0)"
+    )
+
+
 def test_a_corrupt_services_file_is_one_line_naming_it(tmp_path, capsys):
     from flows.cli import main
 

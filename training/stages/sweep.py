@@ -288,14 +288,20 @@ def _trainable(
     tune.report({"step": plan.steps[-1], "train_loss": last["loss"] or float("nan"), "rows": rows})
 
 
-def run_sweep(spec: SweepSpec, data: DatasetManifest, progress: TrialProgress | None = None) -> SweepResult:
-    """Run (or resume, or return) the sweep and write `results.parquet`; see the module docstring."""
+def planned_trials(spec: SweepSpec) -> tuple[list[TrialPlan], list[str]]:
+    """`plan_trials`, refused in one line where it leaves no trial (the pipeline checks it before anything runs)."""
     plans, skipped = plan_trials(spec)
     if not plans:
         raise ValueError(
             "sweep has no trials: set sweep.budgets and sweep.depths"
             + (" (every pair was left out: " + "; ".join(skipped) + ")" if skipped else "")
         )
+    return plans, skipped
+
+
+def run_sweep(spec: SweepSpec, data: DatasetManifest, progress: TrialProgress | None = None) -> SweepResult:
+    """Run (or resume, or return) the sweep and write `results.parquet`; see the module docstring."""
+    plans, skipped = planned_trials(spec)
     # what the fit does with the sweep, and how many trials run at once, do not change its results
     execution = {"target_budget", "rung_multiple", "law_form", "bootstrap_resamples", "max_concurrent"}
     config = {
