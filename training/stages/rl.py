@@ -266,9 +266,8 @@ def plot_reward_and_kl(run_dir: Path) -> Path:
 
 class ReinforcementLearning(TunedFromBase):
     name = "rl"
-    version = (
-        3  # 2: every prompt's group sampled in one left-padded batch (other draws); 3: eval_samples each
-    )
+    # 2: every prompt's group sampled in one left-padded batch (other draws); 3: `eval_samples` a held-out prompt
+    version = 3
 
     def check(self, spec: RLSpec, inputs: Mapping[str, Artifact]) -> None:
         base, prompts = inputs["base"], inputs["data"]
