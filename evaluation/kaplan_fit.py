@@ -4,42 +4,30 @@ after. On lmforge's small sweeps Chinchilla's form (fitted over a 4x range of co
 10x rung came in 4.5% below its prediction and 0.9% above this form's (README, `benchmarks/law_forms.py`).
 
 Fitted in log loss with a robust soft-L1 loss (2%: residuals beyond count linearly), from a fixed start and
-perturbations of it; the lowest objective wins. Its intervals (`kaplan_intervals`) come from the same parametric
+perturbations of it; the lowest objective wins. Every start of every fit runs at once in one batched
+Levenberg-Marquardt solve (`_solve`; the demo's 500 resamples, five starts each: ~2 s, where a scipy
+`least_squares` call per start took ~40 s). Its intervals (`kaplan_intervals`) come from the same parametric
 bootstrap as Chinchilla's, so the spread between the two forms can be read beside the spread within each; the form
 with the smaller error on the held-out budget sizes the rung (`evaluation.law_form`).
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import math
-import pickle
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
-from scipy.optimize import OptimizeResult, least_squares
 
 from evaluation.law_noise import NoiseModel, residual_noise
 from evaluation.scaling_data import ScalingPoints
-from infra.cores import one_thread_env
 
 ROBUST_SCALE = 0.02
+FTOL = 1e-10  # a fit has converged when a full Gauss-Newton step would lower its cost by at most this share
 N_STARTS = 60
 START = np.array([math.log(1e4), math.log(1e6), 0.7, 0.5, 0.5])  # log N_c, log D_c, α_N, α_D, log E
 LOG_LIMIT = 700.0  # |log| of N_c, D_c and E: e^700 is a float, e^710 is not
 EXPONENTS = ("alpha_n", "alpha_d")  # the size's and the data's, as Chinchilla's alpha and beta
-# a fresh interpreter's share of the bootstrap, this file's package first on its path: pickled (points, log
-# losses, theta) in, pickled laws out
-_REFIT_ELSEWHERE = (
-    "import pickle, sys; sys.path.insert(0, sys.argv[1]); from evaluation.kaplan_fit import _refit_rows; "
-    "sys.stdout.buffer.write(pickle.dumps(_refit_rows(*pickle.load(sys.stdin.buffer))))"
-)
-ROWS_PER_PROCESS = 50  # the fewest resamples worth a helper interpreter (~1 s to start; a refit ~20-80 ms)
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,23 +68,31 @@ class KaplanLaw:
         return asdict(self)
 
 
+def _params(theta: np.ndarray) -> tuple[np.ndarray | float, ...]:
+    """The five parameters of a vector (5,) as numbers, or of a stack (K, 5) as columns (K, 1) to broadcast
+    against the points."""
+    return tuple(theta) if theta.ndim == 1 else tuple(theta.T[..., None])
+
+
 def _log_loss(theta: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray:
-    log_nc, log_dc, alpha_n, alpha_d, log_e = theta
+    """The log law at the points (N, D) for a parameter vector (5,) → (P,), or for a stack of them (K, 5) → (K, P)."""
+    log_nc, log_dc, alpha_n, alpha_d, log_e = _params(theta)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         inner = np.exp(alpha_n / alpha_d * (log_nc - np.log(n))) + np.exp(log_dc - np.log(d))
         return np.log(np.exp(log_e) + inner**alpha_d)
 
 
 def _log_jacobian(theta: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """(P, 5) derivatives of the log law in its parameters (log N_c, log D_c, α_N, α_D, log E): with
-    u = (N_c/N)^(α_N/α_D), v = D_c/D, s = u + v and T = s^α_D, the law is log(E + T)."""
-    log_nc, log_dc, alpha_n, alpha_d, log_e = theta
+    """(P, 5) derivatives of the log law in its parameters (log N_c, log D_c, α_N, α_D, log E), or (K, P, 5) for a
+    stack of parameter vectors: with u = (N_c/N)^(α_N/α_D), v = D_c/D, s = u + v and T = s^α_D, the law is
+    log(E + T)."""
+    log_nc, log_dc, alpha_n, alpha_d, log_e = _params(theta)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         log_ratio = log_nc - np.log(n)
         u, v = np.exp(alpha_n / alpha_d * log_ratio), np.exp(log_dc - np.log(d))
         s = u + v
         t = s**alpha_d
-        e = math.exp(log_e)
+        e = np.exp(log_e)
         share, fu = t / (e + t), u / s
         return np.stack(
             [
@@ -104,28 +100,69 @@ def _log_jacobian(theta: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray
                 share * alpha_d * v / s,
                 share * fu * log_ratio,
                 share * (np.log(s) - alpha_n / alpha_d * fu * log_ratio),
-                e / (e + t),
+                np.broadcast_to(e / (e + t), share.shape),
             ],
-            axis=1,
+            axis=-1,
         )
 
 
-def _solve(points: ScalingPoints, y: np.ndarray, start: np.ndarray, max_nfev: int) -> OptimizeResult | None:
-    """One robust least-squares fit of the log law to log losses `y` from `start` (scipy's result), None when it
-    runs off (a loss or derivative that is not finite)."""
+def _robust_cost(residual: np.ndarray) -> np.ndarray:
+    """scipy's soft-L1 cost of each row of residuals: ½·C²·Σ 2(√(1 + (r/C)²) − 1), C = `ROBUST_SCALE`."""
+    z = (residual / ROBUST_SCALE) ** 2
+    return ROBUST_SCALE**2 * np.sum(np.sqrt(1.0 + z) - 1.0, axis=-1)
+
+
+def _solve(
+    points: ScalingPoints, ys: np.ndarray, starts: np.ndarray, max_iter: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Robust least-squares fits of the log law to each row of log losses `ys` (K, P) from each row of `starts`
+    (K, 5), all at once: Levenberg-Marquardt on the soft-L1 cost (its Gauss-Newton matrix weighted by the cost's
+    slope at each residual, damped in proportion to its diagonal). A row has converged when the undamped step
+    would lower its cost by at most `FTOL` of it, or when no step, however damped, lowers it; it fails when it runs
+    off (a loss or derivative that is not finite) or is still moving after `max_iter` steps. Returns the
+    parameters (K, 5), their costs (K,) and which rows converged (K,)."""
+    n, d = points.n, points.d
+    x = np.array(starts, dtype=float)
+    f, jac = _log_loss(x, n, d) - ys, _log_jacobian(x, n, d)
+    cost = _robust_cost(f)
+    ok = np.zeros(len(x), dtype=bool)
+    stopped = ~np.isfinite(cost) | ~np.isfinite(jac).all(axis=(1, 2))
+    damping = np.full(len(x), 1e-3)
+    for _ in range(max_iter):
+        act = np.flatnonzero(~stopped)
+        if act.size == 0:
+            break
+        wj = jac[act] / np.sqrt(1.0 + (f[act] / ROBUST_SCALE) ** 2)[..., None]  # the cost's slope as weights
+        normal, grad = np.einsum("kpi,kpj->kij", wj, jac[act]), np.einsum("kpi,kp->ki", wj, f[act])
+        scale = np.maximum(
+            np.diagonal(normal, axis1=1, axis2=2), 1e-12 * np.abs(normal).max(axis=(1, 2))[:, None]
+        )
+        newton = _damped_steps(normal + 1e-12 * scale[..., None] * np.eye(5), -grad)
+        near = -0.5 * np.einsum("ki,ki->k", newton, grad) <= FTOL * cost[act]
+        step = _damped_steps(normal + (damping[act, None] * scale)[..., None] * np.eye(5), -grad)
+        trial = x[act] + step
+        tf, tj = _log_loss(trial, n, d) - ys[act], _log_jacobian(trial, n, d)
+        tcost = _robust_cost(tf)
+        better = np.isfinite(tcost) & np.isfinite(tj).all(axis=(1, 2)) & (tcost < cost[act])
+        moved = act[better]
+        x[moved], f[moved], jac[moved], cost[moved] = trial[better], tf[better], tj[better], tcost[better]
+        damping[moved] = np.maximum(damping[moved] / 3.0, 1e-12)
+        damping[act[~better]] *= 4.0
+        done = act[near | (damping[act] > 1e16)]
+        ok[done], stopped[done] = True, True
+    return x, cost, ok & np.isfinite(cost)
+
+
+def _damped_steps(matrices: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """Each system's solution; NaN (a rejected step, more damping next time) for one that is singular."""
     try:
-        with np.errstate(all="ignore"):
-            sol = least_squares(
-                lambda t: _log_loss(t, points.n, points.d) - y,
-                start,
-                jac=lambda t: _log_jacobian(t, points.n, points.d),
-                loss="soft_l1",
-                f_scale=ROBUST_SCALE,
-                max_nfev=max_nfev,
-            )
-    except (ValueError, OverflowError):
-        return None
-    return sol if np.all(np.isfinite(sol.fun)) else None
+        return np.linalg.solve(matrices, rhs[..., None])[..., 0]
+    except np.linalg.LinAlgError:
+        steps = np.full_like(rhs, np.nan)
+        for i, (a, b) in enumerate(zip(matrices, rhs, strict=True)):
+            with contextlib.suppress(np.linalg.LinAlgError):
+                steps[i] = np.linalg.solve(a, b)
+        return steps
 
 
 def fit_kaplan(
@@ -133,17 +170,15 @@ def fit_kaplan(
 ) -> KaplanLaw:
     """The lowest robust fit from `start` (default `START`) and `starts − 1` random perturbations of it
     (deterministic per seed)."""
-    y = np.log(points.loss)
     rng = np.random.default_rng(seed)
     base = START if start is None else start.theta()
-    best = None
-    for i in range(starts):
-        sol = _solve(points, y, base + (rng.normal(0.0, 0.5, base.size) if i else 0.0), 20000)
-        if sol is not None and (best is None or sol.cost < best.cost):
-            best = sol
-    if best is None:
+    tries = base + np.r_[[np.zeros(base.size)], rng.normal(0.0, 0.5, (starts - 1, base.size))]
+    ys = np.broadcast_to(np.log(points.loss), (starts, len(points)))
+    x, cost, _ = _solve(points, ys, tries, 20000)
+    finite = np.isfinite(cost)
+    if not finite.any():
         raise ValueError("Kaplan's form did not converge from any start")
-    return KaplanLaw.from_theta(best.x)
+    return KaplanLaw.from_theta(x[np.flatnonzero(finite)[np.argmin(cost[finite])]])
 
 
 @dataclass(frozen=True)
@@ -168,20 +203,17 @@ def kaplan_intervals(
     n_resamples: int = 500,
     level: float = 0.95,
     seed: int = 0,
-    processes: int = 1,
 ) -> KaplanIntervals:
     """The parametric bootstrap Chinchilla's fit uses (`law_noise`): the shape, cell, run and point noise its
     residuals show (what the five parameters absorb taken out), sweeps redrawn from the law and that noise on the
-    same design, each refitted as the law was (`_refit`, over `processes`: the same intervals for any number); a
+    same design, each refitted as the law was (`_refits`); a
     new run adds its own misfits, offset and noise to each resample's loss."""
     theta = law.theta()
     noise = kaplan_noise(points, law)
     rng = np.random.default_rng(seed)
     redrawn = _log_loss(theta, points.n, points.d)[None] + noise.draw(rng, n_resamples, points)
     fitted = [
-        f
-        for f in _refits(points, redrawn, theta, processes)
-        if f is not None and np.isfinite(f.optimal_n(budget))
+        f for f in _refits(points, redrawn, theta) if f is not None and np.isfinite(f.optimal_n(budget))
     ]
     loss = np.array([f.loss(n, d) for f in fitted], dtype=float)
     run = loss * np.exp(noise.draw(rng, len(loss))[:, 0])
@@ -198,60 +230,33 @@ def kaplan_intervals(
     )
 
 
-def _refits(
-    points: ScalingPoints, ys: np.ndarray, theta: np.ndarray, processes: int
-) -> list[KaplanLaw | None]:
-    """`_refit` of each row of `ys`, in order, split over `processes`: this one and fresh interpreters (no fork of
-    a process holding torch's and Ray's threads). Each refit is deterministic, so the laws do not depend on the
-    split (the demo's 500: ~40 s in one process on an AMD EPYC, ~20 s over its two cores)."""
-    chunks = np.array_split(ys, max(1, min(processes, len(ys) // ROWS_PER_PROCESS)))
-    if len(chunks) == 1:
-        return _refit_rows(points, ys, theta)
-    with ThreadPoolExecutor(len(chunks) - 1) as threads:
-        others = [threads.submit(_refit_elsewhere, points, chunk, theta) for chunk in chunks[1:]]
-        mine = _refit_rows(points, chunks[0], theta)
-        return mine + [law for other in others for law in other.result()]
-
-
-def _refit_rows(points: ScalingPoints, ys: np.ndarray, theta: np.ndarray) -> list[KaplanLaw | None]:
-    return [_refit(points, y, theta) for y in ys]
-
-
-def _refit_elsewhere(points: ScalingPoints, ys: np.ndarray, theta: np.ndarray) -> list[KaplanLaw | None]:
-    """`_refit_rows` in a fresh one-thread interpreter; in this one where that fails (it only costs time)."""
-    root = str(Path(__file__).resolve().parents[1])
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _REFIT_ELSEWHERE, root],
-            input=pickle.dumps((points, ys, theta)),
-            capture_output=True,
-            env=one_thread_env(),
-            check=True,
-        )
-        return pickle.loads(done.stdout)
-    except (OSError, subprocess.CalledProcessError, pickle.UnpicklingError, EOFError) as error:
-        detail = getattr(error, "stderr", b"") or b""
-        log.warning("Kaplan bootstrap: a helper process failed (%s %s); refitting here", error, detail[-300:])
-        return _refit_rows(points, ys, theta)
-
-
-def _refit(points: ScalingPoints, y: np.ndarray, theta: np.ndarray) -> KaplanLaw | None:
-    """The law fitted to log losses `y` at the points' (N, D), the best of a few starts: the law `theta` the
-    sweep gave, the same with E at a quarter, half and three quarters of the lowest loss, and `START`; None when
-    every start runs off. From `theta` alone a refit keeps its E: at E → 0 (the demo's sweeps) the gradient in
-    log E vanishes, and the exponents' intervals came out ~8x too narrow (α_N width 0.034, where refits that may
-    move E give ~0.26); these starts reach what 40 random ones reach (60 of the demo's resamples, to 1e-8)."""
-    low = float(np.exp(y).min())
-    starts = [theta, *(np.r_[theta[:4], math.log(f * low)] for f in (0.25, 0.5, 0.75)), START]
-    best = None
-    for start in starts:
-        sol = _solve(points, y, start, 2000)
-        if sol is not None and sol.success and (best is None or sol.cost < best.cost):
-            best = sol
-    try:
-        return None if best is None else KaplanLaw.from_theta(best.x)
-    except OverflowError:  # a law whose N_c or D_c passes a float's range
-        return None
+def _refits(points: ScalingPoints, ys: np.ndarray, theta: np.ndarray) -> list[KaplanLaw | None]:
+    """The law fitted to each row of log losses `ys` at the points' (N, D), the best of a few starts: the law
+    `theta` the sweep gave, the same with E at a quarter, half and three quarters of the row's lowest loss, and
+    `START`; None where no start converged. From `theta` alone a refit keeps its E: at E → 0 (the demo's sweeps)
+    the gradient in log E vanishes, and the exponents' intervals came out ~8x too narrow (α_N width 0.034, where
+    refits that may move E give ~0.26); these starts reach what 40 random ones reach (60 of the demo's resamples,
+    to 1e-8)."""
+    low = np.exp(ys).min(axis=1)
+    starts = np.stack(
+        [
+            np.broadcast_to(theta, (len(ys), 5)),
+            *(np.c_[np.broadcast_to(theta[:4], (len(ys), 4)), np.log(f * low)] for f in (0.25, 0.5, 0.75)),
+            np.broadcast_to(START, (len(ys), 5)),
+        ],
+        axis=1,
+    )  # (K, S, 5)
+    k, s = starts.shape[:2]
+    x, cost, ok = _solve(points, np.repeat(ys, s, axis=0), starts.reshape(k * s, 5), 2000)
+    cost = np.where(ok, cost, np.inf).reshape(k, s)
+    best = x.reshape(k, s, 5)[np.arange(k), np.argmin(cost, axis=1)]
+    laws: list[KaplanLaw | None] = []
+    for theta_, found in zip(best, np.isfinite(cost).any(axis=1), strict=True):
+        try:
+            laws.append(KaplanLaw.from_theta(theta_) if found else None)
+        except OverflowError:  # a law whose N_c or D_c passes a float's range
+            laws.append(None)
+    return laws
 
 
 def kaplan_noise(points: ScalingPoints, law: KaplanLaw) -> NoiseModel:

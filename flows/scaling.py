@@ -50,7 +50,6 @@ from evaluation.scaling_report import (
     write_fit_plots,
 )
 from evaluation.shape_offsets import ShapeOffset, Shifted, shape_offsets, widened
-from infra.cores import parallel_cores
 from infra.steps import Step, run_step
 from infra.tracking import existing_run
 from training.config import OptimConfig
@@ -218,8 +217,7 @@ def choose_and_size(
     offsets = {f: shape_offsets(points, point_law) for f, point_law in laws.items()}
     rung, shape = shaped_rung(recipe, laws[form], offsets[form], n_opt, budget)
     n, d = rung_size(rung)
-    processes = parallel_cores() if recipe.sweep.max_concurrent == "auto" else 1
-    forms = form_predictions(points, fit, law, heldout, n, d, out, n_resamples, processes)
+    forms = form_predictions(points, fit, law, heldout, n, d, out, n_resamples)
     forms = {f: offset_prediction(p, offsets[f].get(n)) for f, p in forms.items()}
     chosen = forms.pop(form)
     choice = FormChoice(
@@ -328,11 +326,10 @@ def form_predictions(
     d: float,
     out: Path,
     n_resamples: int = 500,
-    processes: int = 1,
 ) -> dict[str, FormPrediction]:
     """Each form's answer at the rung's (n, d): its loss with the law's and a run's 95% intervals, its N* at the
     target budget and its exponents with theirs (Chinchilla's from the fit's bootstrap in `out`, Kaplan's from
-    `n_resamples` of its own over `processes`, `kaplan_intervals`), and its held-out error."""
+    `n_resamples` of its own, `kaplan_intervals`), and its held-out error."""
     budget = fit.optimal.budget
     chinchilla = predict(fit.to_law(), load_samples(out), fit.noise_model(), n, d)
     forms = {
@@ -349,7 +346,7 @@ def form_predictions(
         )
     }
     if kaplan is not None:
-        intervals = kaplan_intervals(points, kaplan, n, d, budget, n_resamples, processes=processes)
+        intervals = kaplan_intervals(points, kaplan, n, d, budget, n_resamples)
         forms["kaplan"] = FormPrediction(
             form="kaplan",
             law=kaplan.as_dict(),
