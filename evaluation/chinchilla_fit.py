@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.optimize import minimize, nnls
+from scipy.optimize import minimize
 
 from evaluation.scaling_data import ScalingPoints, check_design
 
@@ -33,6 +33,7 @@ GRID = {
 HOFFMANN = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}  # their published Approach 3
 PARAM_ORDER = ("a", "b", "e", "alpha", "beta")
 EXPONENT_GRID = np.arange(0.02, 2.5, 0.02)  # α and β for Variable Projection: 124 x 124 cells
+CELL_BLOCK = 2_000_000  # numbers per column of a block of cells solved at once (three columns: ~50 MB)
 
 
 @dataclass(frozen=True)
@@ -197,25 +198,58 @@ def projected_starts(
     points: ScalingPoints, keep: int = 32, exponents: np.ndarray = EXPONENT_GRID
 ) -> np.ndarray:
     """Variable Projection: for every (α, β) on the grid, the E, A, B ≥ 0 that minimise the squared relative
-    residuals (E + A/N^α + B/D^β − L) / L (the log residuals to first order) by NNLS; the `keep` best cells as
-    starts (rows of `PARAM_ORDER`). A coefficient at its bound 0 starts at 1e-9 of the loss scale."""
+    residuals (E + A/N^α + B/D^β − L) / L (the log residuals to first order) (`cell_nnls`, all cells at once); the
+    `keep` best cells as starts (rows of `PARAM_ORDER`). A coefficient at its bound 0 starts at 1e-9 of the loss
+    scale."""
     loss = np.asarray(points.loss, dtype=float)
     n_pow = np.power(np.asarray(points.n, dtype=float)[None, :], -exponents[:, None]) / loss  # (G, P)
     d_pow = np.power(np.asarray(points.d, dtype=float)[None, :], -exponents[:, None]) / loss
-    ones = np.ones_like(loss)
-    cells = []
-    for i, alpha in enumerate(exponents):
-        for j, beta in enumerate(exponents):
-            coef, residual = nnls(np.stack([1.0 / loss, n_pow[i], d_pow[j]], axis=1), ones)
-            cells.append((residual, alpha, beta, coef))
-    cells.sort(key=lambda cell: cell[0])
+    g, p = len(exponents), len(loss)
+    rows = max(1, CELL_BLOCK // (g * p))  # α values a block: its cells' columns stay ~CELL_BLOCK numbers each
+    blocks = [
+        cell_nnls(
+            np.stack(
+                [
+                    np.broadcast_to(1.0 / loss, (len(n_block), g, p)),
+                    *np.broadcast_arrays(n_block[:, None], d_pow[None]),
+                ],
+                axis=-1,
+            ).reshape(-1, p, 3),  # cell (i, j) has α = exponents[i], β = exponents[j]
+            np.ones_like(loss),
+        )
+        for n_block in np.array_split(n_pow, range(rows, g, rows))
+    ]
+    coef, residual = np.concatenate([c for c, _ in blocks]), np.concatenate([r for _, r in blocks])
+    best = np.argsort(residual, kind="stable")[:keep]
     floor = 1e-9 * float(np.median(loss))
-    return np.array(
-        [
-            [math.log(max(a, floor)), math.log(max(b, floor)), math.log(max(e, floor)), alpha, beta]
-            for _, alpha, beta, (e, a, b) in cells[:keep]
-        ]
-    )
+    e, a, b = np.log(np.maximum(coef[best], floor)).T
+    return np.stack([a, b, e, exponents[best // g], exponents[best % g]], axis=1)
+
+
+def cell_nnls(columns: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Non-negative least squares of `target` (P,) on each of K small column sets (K, P, M), all at once: the
+    least-squares solution on every subset of the columns, the best whose coefficients are all ≥ 0 (the NNLS
+    optimum is the unconstrained one on its own support). Returns the coefficients (K, M) and residual norms (K,)."""
+    k, _, m = columns.shape
+    scale = np.maximum(np.linalg.norm(columns, axis=1), 1e-300)  # (K, M): unit columns, for conditioning
+    unit = columns / scale[:, None, :]
+    gram, rhs = np.matmul(unit.transpose(0, 2, 1), unit), unit.transpose(0, 2, 1) @ target
+    best_coef, best_res = np.zeros((k, m)), np.full(k, float(np.linalg.norm(target)))
+    for r in range(1, m + 1):
+        for support in itertools.combinations(range(m), r):
+            idx = np.array(support)
+            gram_s, rhs_s = gram[:, idx[:, None], idx], rhs[:, idx, None]
+            with np.errstate(all="ignore"):
+                try:
+                    sol = np.linalg.solve(gram_s, rhs_s)[..., 0]
+                except np.linalg.LinAlgError:  # a cell whose columns are dependent
+                    sol = (np.linalg.pinv(gram_s) @ rhs_s)[..., 0]
+                res = np.linalg.norm(target - (unit[:, :, idx] @ sol[..., None])[..., 0], axis=1)
+            better = np.all(sol >= 0, axis=1) & (res < best_res)
+            best_coef[better] = 0.0
+            best_coef[np.ix_(better, idx)] = sol[better] / scale[better][:, idx]
+            best_res[better] = res[better]
+    return best_coef, best_res
 
 
 def _data(points: ScalingPoints) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -337,7 +371,8 @@ def refit(
         x, _, _ = batched_lbfgs(fun, start, max_iter=max_iter, gtol=1e-6)
     # a resample of a small table can lose a whole size or budget and run off to infinity: keep finite fits
     finite = np.all(np.isfinite(x), axis=1) & np.all(np.abs(x) < 100, axis=1)
-    laws = [Law.from_theta(t) for t in x[finite]]
-    names = ("E", "A", "B", "alpha", "beta", "a", "b")
-    samples = {k: np.array([law_.as_dict()[k] for law_ in laws]) for k in names}
-    return Bootstrap(samples, len(laws), level, n_resamples - len(laws))
+    a, b, e, alpha, beta = x[finite].T
+    with np.errstate(over="ignore"):
+        samples = {"E": np.exp(e), "A": np.exp(a), "B": np.exp(b), "alpha": alpha, "beta": beta}
+    samples |= {"a": beta / (alpha + beta), "b": alpha / (alpha + beta)}  # as `Law.a`, `Law.b`
+    return Bootstrap(samples, len(alpha), level, n_resamples - len(alpha))

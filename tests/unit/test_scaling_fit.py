@@ -15,6 +15,7 @@ from evaluation.chinchilla_fit import (
     batched_lbfgs,
     batched_objective,
     bootstrap,
+    cell_nnls,
     fit_law,
     projected_starts,
 )
@@ -69,6 +70,24 @@ def test_variable_projection_solves_e_a_b_exactly_at_the_true_exponents():
     starts = projected_starts(points)
     assert len(starts) == 32 and np.all(np.isfinite(starts))
     assert Law.from_theta(starts[0]).alpha == pytest.approx(TRUE.alpha, abs=0.02)
+
+
+def test_every_cells_nnls_is_scipys():
+    """Variable Projection's grid solves its 15,376 small NNLS problems at once (`cell_nnls`); each is scipy's
+    `nnls`, with and without coefficients at their bound 0, and where two columns are the same."""
+    from scipy.optimize import nnls
+
+    rng = np.random.default_rng(0)
+    columns = rng.normal(size=(200, 12, 3)) * np.array([1.0, 10.0, 1e-3])
+    columns[:5, :, 2] = columns[:5, :, 1]  # dependent columns
+    target = rng.normal(size=12)
+    coef, residual = cell_nnls(columns, target)
+    for got, res, cols in zip(coef, residual, columns, strict=True):
+        want, want_res = nnls(cols, target)
+        assert res == pytest.approx(want_res, rel=1e-9)
+        if np.linalg.matrix_rank(cols) == 3:
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert (coef == 0).any(axis=1).sum() > 50 and (coef > 0).all(axis=1).sum() > 10
 
 
 def test_optimal_n_minimises_the_law_along_an_isoflop_curve():
