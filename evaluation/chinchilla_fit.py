@@ -142,19 +142,20 @@ def batched_lbfgs(
         act = np.flatnonzero(~done & np.isfinite(f))
         if act.size == 0:
             break
+        s_act, y_act, rho_act = s_mem[act], y_mem[act], rho[act]  # gathered once: (k, memory, p)
         q, alphas = g[act].copy(), np.zeros((act.size, memory))
         for i in range(memory):
-            alphas[:, i] = rho[act, i] * np.einsum("kp,kp->k", s_mem[act, i], q)
-            q -= alphas[:, i, None] * y_mem[act, i]
-        sy = np.einsum("kp,kp->k", s_mem[act, 0], y_mem[act, 0])
-        yy = np.einsum("kp,kp->k", y_mem[act, 0], y_mem[act, 0])
+            alphas[:, i] = rho_act[:, i] * np.einsum("kp,kp->k", s_act[:, i], q)
+            q -= alphas[:, i, None] * y_act[:, i]
+        sy = np.einsum("kp,kp->k", s_act[:, 0], y_act[:, 0])
+        yy = np.einsum("kp,kp->k", y_act[:, 0], y_act[:, 0])
         gamma = np.where(
-            rho[act, 0] > 0, sy / np.maximum(yy, 1e-300), 1.0 / np.maximum(np.abs(g[act]).max(1), 1.0)
+            rho_act[:, 0] > 0, sy / np.maximum(yy, 1e-300), 1.0 / np.maximum(np.abs(g[act]).max(1), 1.0)
         )
         r = gamma[:, None] * q
         for i in reversed(range(memory)):
-            beta = rho[act, i] * np.einsum("kp,kp->k", y_mem[act, i], r)
-            r += s_mem[act, i] * (alphas[:, i] - beta)[:, None]
+            beta = rho_act[:, i] * np.einsum("kp,kp->k", y_act[:, i], r)
+            r += s_act[:, i] * (alphas[:, i] - beta)[:, None]
         direction = -r
         slope = np.einsum("kp,kp->k", direction, g[act])
         bad = ~(slope < 0)  # not a descent direction: forget the memory, go downhill

@@ -250,6 +250,24 @@ class CurveLaw:
             - self.D * gain
         )
 
+    def log_jacobian(self, n: np.ndarray, s1: np.ndarray, annealing: Annealing) -> np.ndarray:
+        """(P, 7) derivatives of the log loss in the law's parameters (log E, log A, α, log B, β, log D, log C)."""
+        s = np.asarray(s1, dtype=float) / 1e6
+        size, data = self.A * np.power(n, -self.alpha), self.B * np.power(s, -self.beta)
+        x = self.C * annealing.area / np.sqrt(annealing.rate)
+        gain = np.bincount(annealing.point, weights=annealing.drop * x / (1.0 + x), minlength=s.size)
+        slope = np.bincount(annealing.point, weights=annealing.drop * x / (1.0 + x) ** 2, minlength=s.size)
+        columns = [
+            np.full(s.size, self.E),
+            size,
+            -size * np.log(n),
+            data,
+            -data * np.log(s),
+            -self.D * gain,
+            -self.D * slope,
+        ]
+        return np.stack(columns, axis=1) / (self.E + size + data - self.D * gain)[:, None]
+
     def curve(self, n: float, schedule: Schedule, steps: list[int]) -> np.ndarray:
         """The predicted loss after each of `steps` optimiser steps of `schedule`."""
         s1, annealing = schedule.at(steps)
@@ -369,6 +387,11 @@ def fit_curve_law(
         predicted = CurveLaw.from_theta(theta).loss(points.n, points.s1, points.annealing)
         return np.log(np.clip(predicted, 1e-6, None)) - y
 
+    def jacobian(theta: np.ndarray) -> np.ndarray:
+        law = CurveLaw.from_theta(theta)
+        clipped = law.loss(points.n, points.s1, points.annealing) < 1e-6  # flat where the loss is clipped
+        return np.where(clipped[:, None], 0.0, law.log_jacobian(points.n, points.s1, points.annealing))
+
     s = start or {"E": 1.5, "A": 30.0, "B": 300.0, "alpha": 0.3, "beta": 0.5}
     b = math.log(s["B"]) - s["beta"] * math.log(1e6)  # the law's B for D in tokens, here in millions
     base = np.array(
@@ -380,7 +403,9 @@ def fit_curve_law(
         theta0 = base + (rng.normal(0.0, 0.5, base.size) if i else 0.0)
         try:
             with np.errstate(over="ignore", invalid="ignore"):
-                sol = least_squares(residuals, theta0, loss="soft_l1", f_scale=ROBUST_SCALE, max_nfev=2000)
+                sol = least_squares(
+                    residuals, theta0, jac=jacobian, loss="soft_l1", f_scale=ROBUST_SCALE, max_nfev=2000
+                )
         except ValueError:  # a start whose residuals are not finite: the next one
             continue
         if np.isfinite(sol.cost) and (best is None or sol.cost < best.cost):

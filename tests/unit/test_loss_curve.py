@@ -83,6 +83,22 @@ def test_the_fit_recovers_a_known_law_and_predicts_another_size_and_schedule() -
     assert np.abs(predicted / true - 1).max() < 0.01
 
 
+def test_the_laws_derivatives_are_its_slopes() -> None:
+    """The fit's analytic Jacobian (each of the seven parameters, the decay's gain among them) against central
+    differences of the log loss, on a multi-horizon run's points."""
+    run = synthetic_run(3e4, 1600, [400, 800], np.random.default_rng(1))
+    theta = np.log([TRUTH.E, TRUTH.A, 1.0, TRUTH.B, 1.0, TRUTH.D, TRUTH.C])
+    theta[2], theta[4] = TRUTH.alpha, TRUTH.beta
+
+    def log_loss(t: np.ndarray) -> np.ndarray:
+        return np.log(CurveLaw.from_theta(t).loss(run.n, run.s1, run.annealing))
+
+    numeric = np.stack([(log_loss(theta + h) - log_loss(theta - h)) / 2e-6 for h in 1e-6 * np.eye(7)], axis=1)
+    got = CurveLaw.from_theta(theta).log_jacobian(run.n, run.s1, run.annealing)
+    assert got == pytest.approx(numeric, rel=1e-5, abs=1e-9)
+    assert np.abs(got[:, 6]).max() > 1e-3  # the decays' gain moves with C at these points
+
+
 def test_a_trial_step_past_a_floats_range_is_an_infinite_law_not_an_error() -> None:
     """least_squares shrinks its step where the residuals are not finite; an OverflowError from the parameters'
     logs ended a bf16 smoke pipeline's fit stage in a traceback."""
