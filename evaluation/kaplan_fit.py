@@ -206,8 +206,8 @@ def kaplan_intervals(
 ) -> KaplanIntervals:
     """The parametric bootstrap Chinchilla's fit uses (`law_noise`): the shape, cell, run and point noise its
     residuals show (what the five parameters absorb taken out), sweeps redrawn from the law and that noise on the
-    same design, each refitted as the law was (`_refits`); a
-    new run adds its own misfits, offset and noise to each resample's loss."""
+    same design, each refitted as the law was (`_refits`); a new run adds its own misfits, offset and noise to
+    each resample's loss."""
     theta = law.theta()
     noise = kaplan_noise(points, law)
     rng = np.random.default_rng(seed)
