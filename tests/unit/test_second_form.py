@@ -30,6 +30,7 @@ from flows.scaling import (
     rung_size,
     second_form_metric,
 )
+from tests.unit.test_law_intervals import DEMO
 
 TRUE = KaplanLaw(n_c=3e4, d_c=2e6, alpha_n=0.25, alpha_d=0.3, E=1.2)
 
@@ -221,6 +222,27 @@ def test_kaplans_intervals_hold_the_true_law_about_as_often_as_they_say():
                     held[k] += got.exponents[k][0] <= getattr(TRUE, k) <= got.exponents[k][1]
     assert min(held.values()) >= 6, held  # P(fewer than 6 of 8 | 95%) = 0.6%
     assert 2 < widths[0.01] / widths[0.0025] < 8  # four times the noise, about four times the width
+
+
+def test_a_sweep_that_cannot_tell_its_floor_from_0_gets_intervals_spanning_the_law_without_one():
+    """A sweep of the demo's design (two seeds, its noise) drawn from a law without a floor (the demo's own Kaplan
+    law) whose fit found a floor (E 0.91) and so steeper exponents: E = 0 is not ruled out, and the intervals span
+    the floorless law's bootstrap too, holding the true α_N and the rung's loss that the free refits' intervals
+    alone, [0.222, 0.532] and [2.2230, 2.3873], missed below. A sweep with a clear floor keeps the free ones."""
+    truth = KaplanLaw(n_c=2.609e6, d_c=1.754e7, alpha_n=0.2187, alpha_d=0.313, E=1e-14)
+    design = Design(np.tile(DEMO.n, 2), np.tile(DEMO.d, 2), np.r_[DEMO.run, DEMO.run + 7])
+    table = simulate(truth, design, NoiseModel(0.0034, 0.0082, cell_sd=0.0088), np.random.default_rng(2))
+    law = fit_kaplan(table, starts=8)
+    budget = 2.4e12
+    n = float(truth.optimal_n(budget))
+    got = kaplan_intervals(table, law, n, budget / (6 * n), budget, n_resamples=60, seed=2)
+    assert law.E > 0.5 and law.alpha_n > truth.alpha_n + 0.1 and got.floorless
+    assert got.exponents["alpha_n"][0] < truth.alpha_n < got.exponents["alpha_n"][1]
+    assert got.loss[0] < float(truth.loss(n, budget / (6 * n))) < got.loss[1]
+    clear = points(TRUE, noise=0.0025)
+    assert not kaplan_intervals(
+        clear, fit_kaplan(clear, starts=8), 1e5, 4e6, budget, n_resamples=40
+    ).floorless
 
 
 def test_a_prediction_without_a_second_form_reads_as_before():
