@@ -65,8 +65,8 @@ log = logging.getLogger(__name__)
 # 6: the curve anchored to the point law at every evaluation; 7: Kaplan's intervals; 8: the form chosen; 9: Kaplan's
 # resamples refitted from several starts; 10: the rung's shape by its offset from the law (evaluation/shape_offsets.py);
 # 11: the held-out gap between the forms; 12: the law's misfit per (size, budget) cell in the noise model; 13: and
-# per shape, across budgets
-FIT_VERSION = 13
+# per shape, across budgets; 14: Kaplan's intervals span the floorless law's where the sweep cannot tell E from 0
+FIT_VERSION = 14
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
