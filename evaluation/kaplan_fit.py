@@ -102,7 +102,7 @@ def _log_jacobian(theta: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray
                 share * alpha_d * v / s,
                 share * fu * log_ratio,
                 share * (np.log(s) - alpha_n / alpha_d * fu * log_ratio),
-                np.broadcast_to(e / (e + t), share.shape),
+                e / (e + t),
             ],
             axis=-1,
         )

@@ -420,7 +420,7 @@ class SweepConfig(BaseModel):
     # (evaluation/law_form.py); on the demo's d3w48 rung Chinchilla's predicted 4.7% high, Kaplan's 1.2% high
     law_form: LawForm = "auto"
     # the fit's resampled laws (Chinchilla's bootstrap; Kaplan's form refits a quarter as many): more, steadier
-    # interval ends; Kaplan's refits are most of the fit's time (~40 s for the demo's 500 on one core)
+    # interval ends for more of the fit's time
     bootstrap_resamples: int = Field(2000, ge=100)
     probe: Literal["humaneval"] | None = None  # a downstream task loss measured at every point
     curve_points: PositiveInt = 8  # validation losses along each run and the rung: the loss-curve law's data
