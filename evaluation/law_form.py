@@ -31,6 +31,9 @@ class FormChoice(BaseModel):
     n_opt: float
     n_opt_interval: tuple[float, float]
     exponents: dict[str, tuple[float, float]]
+    floorless: bool | None = (
+        None  # its intervals also span the law without a floor (`FormPrediction.floorless`)
+    )
 
 
 def choose_form(

@@ -79,6 +79,8 @@ class FormPrediction(BaseModel):
     heldout_mean_rel_error: float | None = None
     rel_error: float | None = None
     shape_offset: float | None = None  # the rung's shape's log offset from this form's law, in `loss`
+    # Kaplan's: the sweep cannot tell E from 0, so its intervals also span the law without a floor (`kaplan_intervals`)
+    floorless: bool | None = None
 
     def check(self, loss: float) -> FormPrediction:
         return self.model_copy(update={"rel_error": abs(loss - self.loss) / loss})
@@ -415,6 +417,7 @@ def write_fit_plots(
     write_plots(points, fit.to_law(), iso, fit, out, curves)
 
 
+FLOORLESS = "the sweep cannot tell its E from 0: its intervals span the law without one too"
 WIDE_INTERVAL = 3.0  # an exponent interval wider than this ratio gets a warning in the headline
 
 
@@ -501,10 +504,13 @@ def choice_lines(fit: ScalingFit) -> list[str]:
     c = fit.choice
     if c is None:
         return []
-    return [
+    line = (
         f"Law form: {c.form.capitalize()}'s sizes the rung and predicts it ({c.reason}); its N*={c.n_opt:.4g} "
         f"(95% {c.n_opt_interval[0]:.3g}–{c.n_opt_interval[1]:.3g})"
-    ]
+    )
+    if c.floorless:
+        line += f"; {FLOORLESS}"
+    return [line]
 
 
 def precision_goals(fit: ScalingFit) -> list[tuple[str, str, bool]]:
@@ -602,5 +608,7 @@ def rung_lines(rung: Prediction | None) -> list[str]:
             line += f"; its compute-optimal N at the target {second.n_opt:.3g}"
             if second.n_opt_interval is not None:
                 line += f" [{second.n_opt_interval[0]:.3g}, {second.n_opt_interval[1]:.3g}]"
+        if second.floorless:
+            line += f"; {FLOORLESS}"
         lines.append(line)
     return lines

@@ -65,8 +65,9 @@ log = logging.getLogger(__name__)
 # 6: the curve anchored to the point law at every evaluation; 7: Kaplan's intervals; 8: the form chosen; 9: Kaplan's
 # resamples refitted from several starts; 10: the rung's shape by its offset from the law (evaluation/shape_offsets.py);
 # 11: the held-out gap between the forms; 12: the law's misfit per (size, budget) cell in the noise model; 13: and
-# per shape, across budgets; 14: Kaplan's intervals span the floorless law's where the sweep cannot tell E from 0
-FIT_VERSION = 14
+# per shape, across budgets; 14: Kaplan's intervals span the floorless law's where the sweep cannot tell E from 0;
+# 15: and say so (`floorless`)
+FIT_VERSION = 15
 RUNG_VERSION = 2  # 2: the measured validation curve
 
 
@@ -229,6 +230,7 @@ def choose_and_size(
         n_opt=chosen.n_opt,
         n_opt_interval=chosen.n_opt_interval,
         exponents=chosen.exponents,
+        floorless=chosen.floorless,
     )
     prediction = Prediction(
         n=n,
@@ -357,6 +359,7 @@ def form_predictions(
             n_opt_interval=intervals.n_opt,
             exponents=intervals.exponents,
             heldout_mean_rel_error=heldout["kaplan"],
+            floorless=intervals.floorless,
         )
     return forms
 

@@ -13,6 +13,7 @@ from evaluation.law_form import choose_form, heldout_gap
 from evaluation.law_noise import NoiseModel
 from evaluation.scaling_data import ScalingPoints
 from evaluation.scaling_report import (
+    FLOORLESS,
     FormPrediction,
     Prediction,
     headline,
@@ -147,6 +148,9 @@ def test_the_rung_gets_a_second_prediction_checked_and_reported(tmp_path):
     (line,) = [x for x in rung_lines(rung) if "Kaplan's form" in x]
     assert f"predicted {second.loss:.4f}" in line and f"error {rung.second_form.rel_error:.2%}" in line
     assert f"compute-optimal N at the target {second.n_opt:.3g}" in line
+    assert second.floorless is False and FLOORLESS not in line  # a floor at 1.2: the sweep tells it from 0
+    floorless = rung.model_copy(update={"second_form": second.model_copy(update={"floorless": True})})
+    assert FLOORLESS in [x for x in rung_lines(floorless) if "Kaplan's form" in x][0]
     assert second.interval[0] < second.loss < second.interval[1]
     assert second.run_interval[0] < second.interval[0] and second.interval[1] < second.run_interval[1]
     assert second.n_opt_interval[0] < second.n_opt < second.n_opt_interval[1]
@@ -197,6 +201,9 @@ def test_the_chosen_form_sizes_the_rung_and_predicts_it(tmp_path, setting):
     exponents = ["alpha_n", "alpha_d"] if want == "kaplan" else ["alpha", "beta"]
     assert goals[:3] == ["N* 95% interval", *(f"{k} 95% interval" for k in exponents)]
     assert f"Law form: {want.capitalize()}'s sizes the rung" in headline(fit)
+    assert fit.choice.floorless is (False if want == "kaplan" else None) and FLOORLESS not in headline(fit)
+    floorless = fit.model_copy(update={"choice": fit.choice.model_copy(update={"floorless": True})})
+    assert FLOORLESS in headline(floorless)
 
 
 def test_kaplans_intervals_hold_the_true_law_about_as_often_as_they_say():
