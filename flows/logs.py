@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from infra.errors import UserError, expected_failure
+from infra.errors import UserError, bad_input
 
 PACKAGES = ("infra", "data_pipeline", "training", "evaluation", "flows")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -56,10 +56,7 @@ class _OneLineUserErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        bad_input = isinstance(error, UserError | ValueError) or (
-            error is not None and expected_failure(error) is not None
-        )
-        if bad_input and not os.environ.get("LMFORGE_DEBUG"):
+        if error is not None and bad_input(error) and not os.environ.get("LMFORGE_DEBUG"):
             record.exc_info, record.exc_text = None, None
         return True
 

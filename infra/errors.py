@@ -45,6 +45,12 @@ def root_cause(error: BaseException) -> BaseException:
     return _chain(error)[-1]
 
 
+def bad_input(error: BaseException) -> bool:
+    """Whether `error` ends in one line rather than a traceback: a `UserError`, a library's `ValueError` (its
+    validation message) or an expected failure (`expected_failure`); anything else is a bug."""
+    return isinstance(error, UserError | ValueError) or expected_failure(error) is not None
+
+
 def expected_failure(error: BaseException) -> str | None:
     """One line for an expected failure anywhere in `error`'s chain (a `UserError`, a full disk, an OS error on
     a named path), else None: an unexpected error, a bug."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flows.cli import main
-from infra.errors import UserError, expected_failure
+from infra.errors import UserError, bad_input, expected_failure
 
 needs_dev_full = pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
 
@@ -79,6 +79,10 @@ def test_os_errors_on_paths_and_user_errors_are_one_line_bugs_are_not(tmp_path: 
     assert expected_failure(wrapped) == "data.sources: nothing matches"
     assert expected_failure(_raised(lambda: {}["missing"])) is None
     assert expected_failure(_raised(lambda: 1 / 0)) is None
+    # what a Prefect run's log keeps without its traceback (flows/logs.py): the same errors and a library's
+    # validation message; a bug keeps its traceback
+    assert bad_input(wrapped) and bad_input(_raised(lambda: int("x")))
+    assert not bad_input(_raised(lambda: {}["missing"])) and not bad_input(_raised(lambda: 1 / 0))
 
 
 def _reraise(error: Exception) -> None:
