@@ -241,7 +241,7 @@ def kaplan_intervals(
         for k, v in _quantities(held, n, d, budget, floor_noise, rng).items():
             lo, hi = _percentiles(v, level)
             intervals[k] = (min(intervals[k][0], lo), max(intervals[k][1], hi))
-        log.info(
+        log.debug(  # the fit's report says so of the forms that size and predict the rung (`floorless`)
             "Kaplan's form: the sweep cannot tell E (%.3g) from 0; its intervals span the law without one",
             law.E,
         )

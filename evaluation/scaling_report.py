@@ -113,6 +113,8 @@ class Prediction(BaseModel):
     run_interval: tuple[float, float] | None = None  # None in fits made before lmforge reported it
     task_loss: float | None = None  # the downstream probe's law, when the sweep measured one
     task_interval: tuple[float, float] | None = None
+    task_run_interval: tuple[float, float] | None = None  # where the rung's task loss lands (95%)
+    task_form: str | None = None  # the form of the task's law: the one that predicts the loss (`form`)
     measured_loss: float | None = None
     measured_task_loss: float | None = None
     rel_error: float | None = None
@@ -179,8 +181,10 @@ class ScalingFit(Artifact):
     moe: bool
     param_count: str = "matmul"  # what N counts: every matmul per token (head included) or non-embedding
     approach2_n_opt: float | None = None  # Approach 2's N_opt(C) at the target budget
-    task_law: dict[str, float] | None = None  # the downstream probe's L(N, D), when measured
-    task_intervals: dict[str, tuple[float, float]] | None = None
+    task_law: dict[str, float] | None = (
+        None  # the downstream probe's L(N, D) (`rung.task_form`), when measured
+    )
+    task_intervals: dict[str, tuple[float, float]] | None = None  # its exponents' 95% intervals
     contamination: dict[str, Any] | None = None
     rung: Prediction | None = None  # the model trained at the target budget: predicted, then measured
     curve_law: dict[str, Any] | None = None  # the loss-curve law fitted on the sweep's validation curves
@@ -567,10 +571,12 @@ def rung_lines(rung: Prediction | None) -> list[str]:
             f"shrinking toward the other shapes (sd {shape.sd:.2%}); the prediction includes it"
         )
     if rung.task_loss is not None:
-        line = (
-            f"  HumanEval bits/byte predicted {rung.task_loss:.4f} "
-            f"[{rung.task_interval[0]:.4f}, {rung.task_interval[1]:.4f}]"
-        )
+        line = f"  HumanEval bits/byte predicted {rung.task_loss:.4f}"
+        if rung.task_form is not None:
+            line += f" by {rung.task_form.capitalize()}'s form"
+        line += f", law 95% [{rung.task_interval[0]:.4f}, {rung.task_interval[1]:.4f}]"
+        if rung.task_run_interval is not None:
+            line += f", a run 95% [{rung.task_run_interval[0]:.4f}, {rung.task_run_interval[1]:.4f}]"
         if rung.measured_task_loss is not None:
             line += f", measured {rung.measured_task_loss:.4f} (error {rung.task_rel_error:.2%})"
         lines.append(line)

@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 # resamples refitted from several starts; 10: the rung's shape by its offset from the law (evaluation/shape_offsets.py);
 # 11: the held-out gap between the forms; 12: the law's misfit per (size, budget) cell in the noise model; 13: and
 # per shape, across budgets; 14: Kaplan's intervals span the floorless law's where the sweep cannot tell E from 0;
-# 15: and say so (`floorless`)
+# 15: and say so (`floorless`); the task loss's law in the form that predicts the loss, with a run's interval
 FIT_VERSION = 15
 RUNG_VERSION = 2  # 2: the measured validation curve
 
@@ -152,12 +152,16 @@ def _fit(
     updates: dict[str, Any] = {"contamination": contamination}
     task_points = sweep_points(sweep.results, "task_loss") if recipe.sweep.probe else None
     if task_points is not None and len(task_points) > 5:
-        task = calibrated_fit(task_points, n_resamples=n_bootstrap // 2)
-        task_loss = predict(task.fit.law, task.boot.samples, task.noise, n, d)
+        task = task_prediction(task_points, prediction.form, n, d, budget, n_bootstrap // 4)
         prediction = prediction.model_copy(
-            update={"task_loss": task_loss.loss, "task_interval": task_loss.interval}
+            update={
+                "task_loss": task.loss,
+                "task_interval": task.interval,
+                "task_run_interval": task.run_interval,
+                "task_form": task.form,
+            }
         )
-        updates |= {"task_law": task.fit.law.as_dict(), "task_intervals": task.boot.intervals()}
+        updates |= {"task_law": task.law, "task_intervals": task.exponents}
     curves = sweep_curves(points, recipe.sweep.min_steps)
     anchor = curve_anchor(points, fit, kaplan)
     try:
@@ -362,6 +366,49 @@ def form_predictions(
             floorless=intervals.floorless,
         )
     return forms
+
+
+def task_prediction(
+    points: ScalingPoints, form: str, n: float, d: float, budget: float, n_resamples: int
+) -> FormPrediction:
+    """The probe's task loss at the rung's (n, d) from a law fitted to the sweep's task losses (the OLMo ladder's
+    method) in the form that predicts the rung's loss (Chinchilla's where Kaplan's does not converge on them),
+    with its law's and a run's 95% intervals (`n_resamples`), times the rung's shape's offset from that law where
+    the shape was swept. Why the chosen form: on the demo (Kaplan's chosen), Chinchilla's task law predicted
+    2.3677 with a run's interval [2.2936, 2.4456], and the rung measured 2.2762, 4.0% below and outside it, as its
+    loss law's prediction was 3.9% off; Kaplan's task law predicted 2.3256 [2.2612, 2.4318], 2.2% off."""
+    kaplan = None
+    if form == "kaplan":
+        try:
+            kaplan = fit_kaplan(points)
+        except ValueError as e:
+            log.warning("the task loss's law in Chinchilla's form: %s", e)
+    law: PointLaw
+    if kaplan is not None:
+        law = kaplan
+        intervals = kaplan_intervals(points, kaplan, n, d, budget, n_resamples)
+        prediction = FormPrediction(
+            form="kaplan",
+            law=kaplan.as_dict(),
+            loss=float(kaplan.loss(n, d)),
+            interval=intervals.loss,
+            run_interval=intervals.run,
+            exponents=intervals.exponents,
+            floorless=intervals.floorless,
+        )
+    else:
+        fitted = calibrated_fit(points, n_resamples=n_resamples)
+        law = fitted.fit.law
+        at = predict(fitted.fit.law, fitted.boot.samples, fitted.noise, n, d)
+        prediction = FormPrediction(
+            form="chinchilla",
+            law={k: getattr(fitted.fit.law, k) for k in LAW_KEYS},
+            loss=at.loss,
+            interval=at.interval,
+            run_interval=at.run_interval,
+            exponents={k: fitted.boot.interval(k) for k in ("alpha", "beta")},
+        )
+    return offset_prediction(prediction, shape_offsets(points, law).get(n))
 
 
 def curve_anchor(points: ScalingPoints, fit: ScalingFit, kaplan: KaplanLaw | None) -> Anchor:
