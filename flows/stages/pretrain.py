@@ -22,11 +22,13 @@ def run(recipe: Recipe, inputs: Inputs, progress: StepProgress | None) -> Traine
 def report(recipe: Recipe, inputs: Inputs, model: TrainedModel) -> str:
     from infra.tracking import tracking_uri
 
+    loss, diff = model.final_val_loss, model.max_abs_logit_diff
     lines = [
         f"run        {model.path}",
         f"checkpoint {model.checkpoint} (step {model.step})",
-        f"val loss   {model.final_val_loss}",
-        f"hf export  {model.hf_export} (verified: {model.export_valid}, max |Δlogit| {model.max_abs_logit_diff})",
+        f"val loss   {'none' if loss is None else f'{loss:.4f}'}",
+        f"hf export  {model.hf_export} (verified: {model.export_valid}, max |Δlogit| "
+        f"{'none' if diff is None else f'{diff:.2g}'})",
         f"mlflow run {model.mlflow_run_id}",
     ]
     if recipe.tracking.enabled:

@@ -62,7 +62,10 @@ def describe_tuned(model: TrainedModel) -> str:
     """A tuned run's directory, origin, headline numbers, adapter and export."""
     origin = f", from {model.base_run_dir}" if model.base_run_dir else ""
     lines = [f"run        {model.path} ({model.kind}{origin})"]
-    lines += [f"  {key:<36} {value:.4f}" for key, value in model.summary.items()]
+    lines += [
+        f"  {key:<36} {value:,.0f}" if key.endswith("_params") else f"  {key:<36} {value:.4f}"
+        for key, value in model.summary.items()
+    ]
     if model.adapter:
         lines.append(f"adapter    {model.adapter}  (PeftModel.from_pretrained(<base hf export>, adapter))")
     lines.append(f"hf export  {model.hf_export} (verified: {model.export_valid})")

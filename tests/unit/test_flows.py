@@ -225,6 +225,41 @@ def test_artifact_tables_put_a_metric_per_model_in_columns_at_four_digits() -> N
     ]
 
 
+def test_the_terminal_report_prints_losses_at_four_digits_and_parameter_counts_whole() -> None:
+    from types import SimpleNamespace
+
+    from flows.stages.pretrain import report
+    from flows.stages.runs import describe_tuned
+
+    model = SimpleNamespace(
+        path="p",
+        checkpoint="c",
+        step=20,
+        final_val_loss=2.2572557348757982,
+        hf_export="h",
+        export_valid=True,
+        max_abs_logit_diff=1.1444091796875e-05,
+        mlflow_run_id="r",
+    )
+    lines = report(SimpleNamespace(tracking=SimpleNamespace(enabled=False)), {}, model).splitlines()
+    assert "val loss   2.2573" in lines and "hf export  h (verified: True, max |Δlogit| 1.1e-05)" in lines
+    tuned = SimpleNamespace(
+        path="p",
+        kind="lora",
+        base_run_dir=None,
+        summary={"sft/trainable_params": 43776.0, "sft/trainable_fraction": 0.28866},
+        adapter=None,
+        hf_export="h",
+        export_valid=True,
+        mlflow_run_id="r",
+    )
+    lines = describe_tuned(tuned).splitlines()
+    assert (
+        f"  {'sft/trainable_params':<36} 43,776" in lines
+        and f"  {'sft/trainable_fraction':<36} 0.2887" in lines
+    )
+
+
 def test_up_starts_services_side_by_side_and_a_failure_stops_every_one_that_started(
     tmp_path, capsys, monkeypatch
 ):
