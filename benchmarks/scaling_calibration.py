@@ -10,10 +10,11 @@ estimate is biased, and a wider interval would not be the fix). Also: Approach 2
 noise-free data. With `--form kaplan` the same for Kaplan's form (`evaluation/kaplan_fit.py`), its law and noise
 fitted to `--results`. With `--results`, `design_seconds` prices the design (`--recipe`, `--set`) at that sweep's
 measured time per run of each size: what a design would cost and how narrow its intervals would be, before it
-trains.
+trains. `--column task_loss`: the same for the probe's task law (the rung's HumanEval bits per byte), fitted to
+that column of `--results`.
 
     .venv/bin/python benchmarks/scaling_calibration.py [--sweeps 200] [--results outputs/sweep/.../results.parquet]
-        [--form kaplan]
+        [--form kaplan] [--column task_loss]
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
     intervals checked (the exponents α_N and α_D, N*, the rung's loss) on `--sweeps` simulated sweeps."""
     from flows.scaling import sweep_points
 
-    points = sweep_points(args.results)
+    points = sweep_points(args.results, args.column)
     truth = fit_kaplan(points)
     noise = as_truth(kaplan_noise(points, truth))
     with ProcessPoolExecutor(args.workers) as pool:
@@ -138,6 +139,7 @@ def kaplan_main(args: argparse.Namespace, design: Design, budget: float, t0: flo
             {
                 "benchmark": "scaling_calibration",
                 "form": "kaplan",
+                "column": args.column,
                 "recipe": args.recipe,
                 "points": len(design.n),
                 "runs": int(design.run.max()) + 1,
@@ -165,6 +167,12 @@ def main() -> None:
     parser.add_argument("--recipe", default="demo")
     parser.add_argument("--set", nargs="*", default=[], help="recipe overrides (key=value)")
     parser.add_argument("--results", help="a sweep's results.parquet: fit its law and noise as the truth")
+    parser.add_argument(
+        "--column",
+        choices=["loss", "task_loss"],
+        default="loss",
+        help="which of its columns the law describes",
+    )
     parser.add_argument("--sweeps", type=int, default=200)
     parser.add_argument("--resamples", type=int, default=500)
     parser.add_argument("--methods", nargs="+", default=["noise", "runs", "points"])
@@ -183,7 +191,7 @@ def main() -> None:
     if args.results:
         from flows.scaling import sweep_points
 
-        fitted = calibrated_fit(sweep_points(args.results), n_resamples=10)
+        fitted = calibrated_fit(sweep_points(args.results, args.column), n_resamples=10)
         truth, noise = fitted.fit.law, as_truth(fitted.noise)
     coverage, below, width, failed = {}, {}, {}, {}
     with ProcessPoolExecutor(args.workers) as pool:
@@ -204,6 +212,7 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "scaling_calibration",
+                "column": args.column,
                 "recipe": args.recipe,
                 "points": len(design.n),
                 "runs": int(design.run.max()) + 1,

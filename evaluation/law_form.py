@@ -31,9 +31,8 @@ class FormChoice(BaseModel):
     n_opt: float
     n_opt_interval: tuple[float, float]
     exponents: dict[str, tuple[float, float]]
-    floorless: bool | None = (
-        None  # its intervals also span the law without a floor (`FormPrediction.floorless`)
-    )
+    # its intervals also span the law without a floor (`FormPrediction.floorless`)
+    floorless: bool | None = None
 
 
 def choose_form(

@@ -181,9 +181,8 @@ class ScalingFit(Artifact):
     moe: bool
     param_count: str = "matmul"  # what N counts: every matmul per token (head included) or non-embedding
     approach2_n_opt: float | None = None  # Approach 2's N_opt(C) at the target budget
-    task_law: dict[str, float] | None = (
-        None  # the downstream probe's L(N, D) (`rung.task_form`), when measured
-    )
+    # the downstream probe's L(N, D), when measured, in the rung's form (`rung.task_form`)
+    task_law: dict[str, float] | None = None
     task_intervals: dict[str, tuple[float, float]] | None = None  # its exponents' 95% intervals
     contamination: dict[str, Any] | None = None
     rung: Prediction | None = None  # the model trained at the target budget: predicted, then measured

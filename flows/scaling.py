@@ -398,11 +398,11 @@ def task_prediction(
         )
     else:
         fitted = calibrated_fit(points, n_resamples=n_resamples)
-        law = fitted.fit.law
-        at = predict(fitted.fit.law, fitted.boot.samples, fitted.noise, n, d)
+        law = chinchilla = fitted.fit.law
+        at = predict(chinchilla, fitted.boot.samples, fitted.noise, n, d)
         prediction = FormPrediction(
             form="chinchilla",
-            law={k: getattr(fitted.fit.law, k) for k in LAW_KEYS},
+            law={k: getattr(chinchilla, k) for k in LAW_KEYS},
             loss=at.loss,
             interval=at.interval,
             run_interval=at.run_interval,
