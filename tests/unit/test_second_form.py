@@ -38,8 +38,8 @@ from flows.scaling import (
     task_prediction,
 )
 from tests.unit.test_law_intervals import DEMO
+from tests.unit.test_sweep_plan import sweep_of
 from training.sizing import count_n, sized_model
-from training.stages.sweep import SweepResult
 
 TRUE = KaplanLaw(n_c=3e4, d_c=2e6, alpha_n=0.25, alpha_d=0.3, E=1.2)
 
@@ -396,22 +396,7 @@ def test_the_fit_predicts_the_rungs_task_loss_in_the_chosen_form(tmp_path):
                 rows.append(row | {"status": "completed"})
     results = tmp_path / "results.parquet"
     pq.write_table(pa.Table.from_pylist(rows), results)
-    sweep = SweepResult(
-        path=str(tmp_path),
-        key="k",
-        results=str(results),
-        n_trials=len(rows) // 3,
-        n_completed=len(rows) // 3,
-        n_stopped=0,
-        n_points=len(rows),
-        flops=0.0,
-        points_per_flop_gain=1.0,
-        skipped=[],
-        mlflow_run_id=None,
-        wall_seconds=0.0,
-        trial_seconds=0.0,
-        overhead=None,
-    )
+    sweep = sweep_of(results)
     rung = fit_sweep(recipe, sweep, data=None).rung
     budget = target_budget(recipe)
     want = task_prediction(sweep_points(results, "task_loss"), "kaplan", rung.n, rung.d, budget, 30)

@@ -3,6 +3,8 @@ fit is told when a sweep has nothing usable."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,7 +16,7 @@ from evaluation.scaling_data import ScalingDataError
 from flows.recipe import load_recipe
 from flows.scaling import rung_curve, rung_size, size_for_budget, sweep_points
 from training.sizing import count_n
-from training.stages.sweep import plan_trials, trial_spec
+from training.stages.sweep import SweepResult, plan_trials, trial_spec
 
 
 def demo(*overrides: str):
@@ -237,28 +239,33 @@ def test_nan_and_negative_losses_are_dropped_and_counted(tmp_path):
     assert len(points) == 2 and points.dropped == 2
 
 
-def test_a_failed_fit_is_never_cached(tmp_path):
-    """The fit of a sweep whose runs all diverged refuses, and leaves no fit.json to be taken as finished."""
-    from flows.scaling import fit_sweep
-    from training.stages.sweep import SweepResult
-
-    path = results_table(tmp_path, ["diverged"] * 4, [None] * 4)
-    sweep = SweepResult(
-        path=str(tmp_path),
+def sweep_of(results: Path) -> SweepResult:
+    """A finished sweep whose table is `results` (in its directory), as the fit reads it: no MLflow run."""
+    table = pq.read_table(results)
+    return SweepResult(
+        path=str(results.parent),
         key="k",
-        results=str(path),
-        n_trials=4,
+        results=str(results),
+        n_trials=table.num_rows,
         n_completed=0,
-        n_stopped=4,
-        n_points=0,
+        n_stopped=0,
+        n_points=table.num_rows,
         flops=0.0,
-        points_per_flop_gain=0.0,
+        points_per_flop_gain=1.0,
         skipped=[],
         mlflow_run_id=None,
         wall_seconds=0.0,
         trial_seconds=0.0,
         overhead=None,
     )
+
+
+def test_a_failed_fit_is_never_cached(tmp_path):
+    """The fit of a sweep whose runs all diverged refuses, and leaves no fit.json to be taken as finished."""
+    from flows.scaling import fit_sweep
+
+    path = results_table(tmp_path, ["diverged"] * 4, [None] * 4)
+    sweep = sweep_of(path)
     with pytest.raises(ScalingDataError, match="no sweep run finished"):
         fit_sweep(demo(f"output_dir={tmp_path}", "tracking.enabled=false"), sweep, data=None)
     assert not list(tmp_path.rglob("fit.json")) and not list(tmp_path.rglob("manifest.json"))
