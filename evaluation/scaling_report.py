@@ -121,6 +121,7 @@ class Prediction(BaseModel):
     task_rel_error: float | None = None
     inside_interval: bool | None = None
     held: bool | None = None
+    task_held: bool | None = None  # the task loss's prediction held, by the loss's rule (`check`)
     curve: CurvePrediction | None = None  # the whole validation curve (the loss-curve law's), when fitted
     form: str = "chinchilla"  # the law form that made this prediction (`evaluation/law_form.py`)
     second_form: FormPrediction | None = None  # the same rung predicted by the other form
@@ -134,19 +135,25 @@ class Prediction(BaseModel):
     def check(
         self, loss: float, task_loss: float | None, curve: dict[int, float] | None = None
     ) -> Prediction:
-        """The measurement: the final loss (and task loss), and `curve` (step → validation loss) for the curve."""
+        """The measurement: the final loss (and task loss), and `curve` (step → validation loss) for the curve. A
+        prediction held when the measurement lies inside its prediction interval (the law's, in older fits) and
+        within `RUNG_TOLERANCE` of it; the task loss's is judged the same way."""
         rel = abs(loss - self.loss) / loss
         lo, hi = self.check_interval
         inside = lo <= loss <= hi
-        task_rel = (
-            abs(task_loss - self.task_loss) / task_loss if task_loss is not None and self.task_loss else None
-        )
+        task_rel, task_held = None, None
+        if task_loss is not None and self.task_loss:
+            task_rel = abs(task_loss - self.task_loss) / task_loss
+            bounds = self.task_run_interval or self.task_interval
+            if bounds is not None:
+                task_held = bounds[0] <= task_loss <= bounds[1] and task_rel <= RUNG_TOLERANCE
         return self.model_copy(
             update={
                 "measured_loss": loss,
                 "measured_task_loss": task_loss,
                 "rel_error": rel,
                 "task_rel_error": task_rel,
+                "task_held": task_held,
                 "inside_interval": inside,
                 "held": inside and rel <= RUNG_TOLERANCE,
                 "curve": self.curve.check(curve) if self.curve is not None and curve else self.curve,
@@ -577,7 +584,10 @@ def rung_lines(rung: Prediction | None) -> list[str]:
         if rung.task_run_interval is not None:
             line += f", a run 95% [{rung.task_run_interval[0]:.4f}, {rung.task_run_interval[1]:.4f}]"
         if rung.measured_task_loss is not None:
-            line += f", measured {rung.measured_task_loss:.4f} (error {rung.task_rel_error:.2%})"
+            line += f", measured {rung.measured_task_loss:.4f} (error {rung.task_rel_error:.2%}"
+            if rung.task_held is not None:
+                line += f": the prediction {'held' if rung.task_held else 'did not hold'}"
+            line += ")"
         lines.append(line)
     curve = rung.curve
     if curve is not None:

@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 # per shape, across budgets; 14: Kaplan's intervals span the floorless law's where the sweep cannot tell E from 0;
 # 15: and say so (`floorless`); the task loss's law in the form that predicts the loss, with a run's interval
 FIT_VERSION = 15
-RUNG_VERSION = 2  # 2: the measured validation curve
+RUNG_VERSION = 3  # 2: the measured validation curve; 3: the task loss's verdict (`task_held`)
 
 
 def sweep_points(results: str | Path, column: str = "loss") -> ScalingPoints:
@@ -547,6 +547,8 @@ def _check(recipe: Recipe, sweep: SweepResult, fit: ScalingFit, model: TrainedMo
     }
     if rung.task_rel_error is not None:
         metrics["fit/rung_task_rel_error"] = rung.task_rel_error
+    if rung.task_held is not None:
+        metrics["fit/rung_task_held"] = float(rung.task_held)
     if rung.curve is not None and rung.curve.max_rel_error is not None:
         metrics["fit/rung_curve_max_rel_error"] = rung.curve.max_rel_error
     metrics |= second_form_metric(rung, "rel_error", "rel_error")

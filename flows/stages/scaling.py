@@ -117,6 +117,7 @@ def fit_headline(law: ScalingFit) -> dict[str, Any]:
                 "rung predicted HumanEval bits/byte": round(rung.task_loss, 4),
                 "rung measured HumanEval bits/byte": rung.measured_task_loss,
                 "task rel error": rung.task_rel_error,
+                "task prediction held": rung.task_held,
             }
     return numbers
 

@@ -260,6 +260,21 @@ def test_a_sweep_that_cannot_tell_its_floor_from_0_gets_intervals_spanning_the_l
     ).floorless
 
 
+def test_the_task_loss_is_judged_as_the_loss_is():
+    """Inside a run's interval and within 3%: held; outside it, or a law's interval alone in an older fit: judged
+    the same way, and the report says which."""
+    rung = Prediction(n=1e5, d=4e6, loss=2.5, interval=(2.4, 2.6), task_loss=2.30, task_interval=(2.27, 2.33))
+    typed = rung.model_copy(update={"task_run_interval": (2.22, 2.38), "task_form": "kaplan"})
+    held = typed.check(2.5, 2.25)
+    assert held.task_held and held.task_rel_error == pytest.approx(0.05 / 2.25)
+    (line,) = [x for x in rung_lines(held) if "HumanEval" in x]
+    assert line.endswith("measured 2.2500 (error 2.22%: the prediction held)") and "by Kaplan's form" in line
+    assert not typed.check(2.5, 2.40).task_held  # outside a run's interval
+    assert not typed.check(2.5, 2.23).task_held  # inside it, but 3.1% off
+    assert not rung.check(2.5, 2.25).task_held  # an older fit: the law's interval, which 2.25 is outside
+    assert rung.check(2.5, None).task_held is None
+
+
 def test_a_prediction_without_a_second_form_reads_as_before():
     rung = Prediction(n=1e5, d=4e6, loss=2.5, interval=(2.4, 2.6)).check(2.45, None)
     assert rung.second_form is None and not any("Kaplan" in x for x in rung_lines(rung))
