@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from glob import glob
 from pathlib import Path
+from typing import Literal
 
 from data_pipeline.config import DataConfig
 from infra.errors import UserError
@@ -186,11 +187,24 @@ def local_files(spec: str) -> list[Path]:
     return matches
 
 
+SourceKind = Literal["stdlib", "hf", "remote", "local"]
+
+
+def source_kind(spec: str) -> SourceKind:
+    """What a `data.sources` entry names: `stdlib`, `hf` (a Hugging Face dataset), `remote` (a glob over object
+    storage) or `local` (a glob of files)."""
+    if spec == "stdlib":
+        return "stdlib"
+    if spec.startswith("hf:"):
+        return "hf"
+    return "remote" if is_remote(spec) else "local"
+
+
 def check_local_sources(cfg: DataConfig) -> None:
     """`local_files` of each local source, before anything runs (the standard library, Hugging Face datasets
     and object storage are checked when read)."""
     for spec in cfg.sources:
-        if spec != "stdlib" and not spec.startswith("hf:") and not is_remote(spec):
+        if source_kind(spec) == "local":
             local_files(spec)
 
 
@@ -205,11 +219,12 @@ class Corpus:
             raise DataError("data.sources is empty; list file globs, 'stdlib', or 'hf:<dataset>'")
 
     def _resolve(self, spec: str) -> _Source:
-        if spec == "stdlib":
+        kind = source_kind(spec)
+        if kind == "stdlib":
             return _Source("stdlib", stdlib_root(), tuple(stdlib_files()))
-        if spec.startswith("hf:"):
+        if kind == "hf":
             return _Source(spec, None, (), hf_spec=spec.removeprefix("hf:"))
-        if is_remote(spec):
+        if kind == "remote":
             return self._resolve_remote(spec)
         return _Source(spec, glob_root(spec), tuple(local_files(spec)), relative_ids=True)
 
