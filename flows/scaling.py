@@ -352,20 +352,29 @@ def form_predictions(
         )
     }
     if kaplan is not None:
-        intervals = kaplan_intervals(points, kaplan, n, d, budget, n_resamples)
-        forms["kaplan"] = FormPrediction(
-            form="kaplan",
-            law=kaplan.as_dict(),
-            loss=float(kaplan.loss(n, d)),
-            interval=intervals.loss,
-            run_interval=intervals.run,
-            n_opt=float(kaplan.optimal_n(budget)),
-            n_opt_interval=intervals.n_opt,
-            exponents=intervals.exponents,
-            heldout_mean_rel_error=heldout["kaplan"],
-            floorless=intervals.floorless,
+        forms["kaplan"] = kaplan_prediction(points, kaplan, n, d, budget, n_resamples).model_copy(
+            update={"heldout_mean_rel_error": heldout["kaplan"]}
         )
     return forms
+
+
+def kaplan_prediction(
+    points: ScalingPoints, law: KaplanLaw, n: float, d: float, budget: float, n_resamples: int
+) -> FormPrediction:
+    """Kaplan's form's answer at (n, d): its loss with the law's and a run's 95% intervals, its N* at `budget` and
+    its exponents with theirs (`kaplan_intervals` from `n_resamples`)."""
+    intervals = kaplan_intervals(points, law, n, d, budget, n_resamples)
+    return FormPrediction(
+        form="kaplan",
+        law=law.as_dict(),
+        loss=float(law.loss(n, d)),
+        interval=intervals.loss,
+        run_interval=intervals.run,
+        n_opt=float(law.optimal_n(budget)),
+        n_opt_interval=intervals.n_opt,
+        exponents=intervals.exponents,
+        floorless=intervals.floorless,
+    )
 
 
 def task_prediction(
@@ -386,16 +395,7 @@ def task_prediction(
     law: PointLaw
     if kaplan is not None:
         law = kaplan
-        intervals = kaplan_intervals(points, kaplan, n, d, budget, n_resamples)
-        prediction = FormPrediction(
-            form="kaplan",
-            law=kaplan.as_dict(),
-            loss=float(kaplan.loss(n, d)),
-            interval=intervals.loss,
-            run_interval=intervals.run,
-            exponents=intervals.exponents,
-            floorless=intervals.floorless,
-        )
+        prediction = kaplan_prediction(points, kaplan, n, d, budget, n_resamples)
     else:
         fitted = calibrated_fit(points, n_resamples=n_resamples)
         law = chinchilla = fitted.fit.law
