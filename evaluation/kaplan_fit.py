@@ -303,12 +303,12 @@ def _refits(
     the gradient in log E vanishes, and the exponents' intervals came out ~8x too narrow (α_N width 0.034, where
     refits that may move E give ~0.26); these starts reach what 40 random ones reach (60 of the demo's resamples,
     to 1e-8). With `floor_fixed`, E is held at its bound (no floor), from `theta` and `START`."""
-    low = np.exp(ys).min(axis=1)
     if floor_fixed:
         starts = np.stack(
             [np.broadcast_to(np.r_[t[:4], -LOG_LIMIT], (len(ys), 5)) for t in (theta, START)], axis=1
         )
     else:
+        low = np.exp(ys).min(axis=1)
         starts = np.stack(
             [
                 np.broadcast_to(theta, (len(ys), 5)),

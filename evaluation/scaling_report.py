@@ -115,6 +115,7 @@ class Prediction(BaseModel):
     task_interval: tuple[float, float] | None = None
     task_run_interval: tuple[float, float] | None = None  # where the rung's task loss lands (95%)
     task_form: str | None = None  # the form of the task's law: the one that predicts the loss (`form`)
+    task_floorless: bool | None = None  # its intervals also span its law without a floor (Kaplan's, E at 0)
     measured_loss: float | None = None
     measured_task_loss: float | None = None
     rel_error: float | None = None
@@ -588,6 +589,8 @@ def rung_lines(rung: Prediction | None) -> list[str]:
             if rung.task_held is not None:
                 line += f": the prediction {'held' if rung.task_held else 'did not hold'}"
             line += ")"
+        if rung.task_floorless:
+            line += f"; {FLOORLESS}"
         lines.append(line)
     curve = rung.curve
     if curve is not None:

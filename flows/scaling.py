@@ -67,7 +67,8 @@ log = logging.getLogger(__name__)
 # 11: the held-out gap between the forms; 12: the law's misfit per (size, budget) cell in the noise model; 13: and
 # per shape, across budgets; 14: Kaplan's intervals span the floorless law's where the sweep cannot tell E from 0;
 # 15: and say so (`floorless`); the task loss's law in the form that predicts the loss, with a run's interval
-FIT_VERSION = 15
+# 16: the task law's too (`rung.task_floorless`)
+FIT_VERSION = 16
 RUNG_VERSION = 3  # 2: the measured validation curve; 3: the task loss's verdict (`task_held`)
 
 
@@ -159,6 +160,7 @@ def _fit(
                 "task_interval": task.interval,
                 "task_run_interval": task.run_interval,
                 "task_form": task.form,
+                "task_floorless": task.floorless,
             }
         )
         updates |= {"task_law": task.law, "task_intervals": task.exponents}

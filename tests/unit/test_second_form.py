@@ -269,6 +269,10 @@ def test_the_task_loss_is_judged_as_the_loss_is():
     assert held.task_held and held.task_rel_error == pytest.approx(0.05 / 2.25)
     (line,) = [x for x in rung_lines(held) if "HumanEval" in x]
     assert line.endswith("measured 2.2500 (error 2.22%: the prediction held)") and "by Kaplan's form" in line
+    # a task law whose E the sweep cannot tell from 0
+    floorless = held.model_copy(update={"task_floorless": True})
+    (line,) = [x for x in rung_lines(floorless) if "HumanEval" in x]
+    assert line.endswith(f"(error 2.22%: the prediction held); {FLOORLESS}")
     assert not typed.check(2.5, 2.40).task_held  # outside a run's interval
     assert not typed.check(2.5, 2.23).task_held  # inside it, but 3.1% off
     assert not rung.check(2.5, 2.25).task_held  # an older fit: the law's interval, which 2.25 is outside
@@ -415,7 +419,7 @@ def test_the_fit_predicts_the_rungs_task_loss_in_the_chosen_form(tmp_path):
     rung = fit_sweep(recipe, sweep, data=None).rung
     budget = target_budget(recipe)
     want = task_prediction(sweep_points(results, "task_loss"), "kaplan", rung.n, rung.d, budget, 30)
-    assert rung.form == rung.task_form == "kaplan"
+    assert rung.form == rung.task_form == "kaplan" and rung.task_floorless is want.floorless is False
     assert (rung.task_loss, rung.task_interval, rung.task_run_interval) == (
         want.loss,
         want.interval,
