@@ -31,7 +31,7 @@ from training.model.transformer import Transformer
 from training.stages.compress import Compressed, VariantRecord
 from training.stages.lifecycle import TrainedModel
 
-FRONTIER_VERSION = 2  # 2: served sizes, chosen by them (ties by loss)
+FRONTIER_VERSION = 3  # 2: served sizes, chosen by them (ties by loss); 3: no FAVOR+ errors
 ROW_FIELDS = {  # what a frontier row repeats from the variant's record
     "name",
     "method",
@@ -68,9 +68,9 @@ def run_frontier(
 ) -> Frontier:
     """Evaluate every variant of `compressed` (made from `base`) against the uncompressed model; cached.
     `progress(done, name)` hears each model's evaluation start."""
-    cfg = spec.eval.model_copy(
-        update={"spectra": False}
-    )  # the report has the spectra; here they would repeat
+    # the report has the spectra and the FAVOR+ errors (an analysis of the model's attention, not of a variant's
+    # quality: the table, the plot and the choice never read them); here they would repeat, ~0.4 s a variant
+    cfg = spec.eval.model_copy(update={"spectra": False, "favor_features": []})
     config = {
         "eval": cfg.model_dump(mode="json", exclude={"tasks", "gates", "dpo_gates", "rl_gates"}),
         "tasks": [t if t == "builtin" else sha256_file(t) for t in cfg.tasks],
