@@ -29,6 +29,7 @@ from infra.tracking import Tracker
 from training.config import SFTSpec
 from training.loop import Batches
 from training.model.config import ModelConfig
+from training.model.hf_interop import load_hf_config
 from training.model.lora import apply_lora
 from training.model.sampling import greedy_each
 from training.model.transformer import Transformer
@@ -45,11 +46,18 @@ from training.stages.tuning import check_examples, export_tuned
 log = logging.getLogger(__name__)
 
 
+def base_config(base: TrainedModel) -> ModelConfig:
+    """The base's architecture at the context it was trained on: its export's `max_seq_len`, not its manifest's
+    (the recipe's `model.max_seq_len`, which may be longer than the windows it saw). The tuned model is exported,
+    evaluated and served at that context, or at this stage's windows where they are longer."""
+    return ModelConfig(**base.model).trained_at(load_hf_config(base.hf_export).max_seq_len)
+
+
 def base_model(base: TrainedModel) -> Transformer:
     """The pretrained model in fp32 from its final checkpoint."""
     from training.parallel import fp32_state_dict
 
-    cfg = ModelConfig(**base.model)
+    cfg = base_config(base)
     model = Transformer(cfg, seed=None)
     model.load_state_dict(fp32_state_dict(Path(base.checkpoint), cfg.tie_embeddings), strict=True)
     return model
@@ -62,7 +70,7 @@ def build_model(base: TrainedModel, spec: SFTSpec) -> nn.Module:
 
 class SFT(TrainingStage):
     name = "sft"
-    version = 2
+    version = 3  # 3: exported at the base's trained context, not the recipe's longer max_seq_len
 
     def check(self, spec: SFTSpec, inputs: Mapping[str, Artifact]) -> None:
         base, data = inputs["base"], inputs["data"]
@@ -81,7 +89,7 @@ class SFT(TrainingStage):
         }
 
     def model_config(self, job: TrainingJob) -> ModelConfig:
-        return ModelConfig(**job.inputs["base"].model)
+        return base_config(job.inputs["base"])
 
     def build_model(self, job: TrainingJob) -> nn.Module:
         return build_model(job.inputs["base"], job.spec)
