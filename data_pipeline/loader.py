@@ -195,3 +195,23 @@ class PackedLoader(SampledLoader):
                 f"loader state is for seq_len={state.get('seq_len')}, this loader uses {self.seq_len}"
             )
         self.sampler.load_state_dict(state)
+
+
+class MixedLoader:
+    """Each batch of `main` with a batch of `replay` stacked under it (rows of the same length): fine-tuning data
+    with pretraining windows replayed beside it, every target of both in the step's token-mean loss. Its state is
+    both loaders' positions, so a resumed run sees the same rows."""
+
+    def __init__(self, main: SampledLoader, replay: SampledLoader) -> None:
+        self.main, self.replay = main, replay
+
+    def next_batch(self) -> Batch:
+        a, b = self.main.next_batch(), self.replay.next_batch()
+        return Batch(torch.cat([a.inputs, b.inputs]), torch.cat([a.targets, b.targets]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"main": self.main.state_dict(), "replay": self.replay.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.main.load_state_dict(state["main"])
+        self.replay.load_state_dict(state["replay"])

@@ -226,6 +226,9 @@ class SFTConfig(BaseModel):
         global_batch_size=None, max_steps=200, eval_every=50, checkpoint_every=100
     )
     eval_examples: PositiveInt = 64  # held-out prompts for exact match before and after
+    # pretraining windows (train.seq_len tokens of the base's own token shards) stacked under every micro-batch, their
+    # tokens in the loss beside the responses': replay, so fine-tuning does not forget the pretraining text
+    replay_rows: NonNegativeInt = 0
 
 
 class PreferenceLoss(BaseModel):
@@ -562,7 +565,7 @@ class PretrainSpec(TrainingSpec):
 class SFTSpec(SFTConfig, TrainingSpec):
     """What fine-tuning receives: the recipe's `sft:` section plus the run's name, outputs, parallelism, tracking."""
 
-    KEY: ClassVar[set[str]] = {"method", "lora", "optim", "train", "eval_examples"}
+    KEY: ClassVar[set[str]] = {"method", "lora", "optim", "train", "eval_examples", "replay_rows"}
 
 
 class DPOSpec(DPOConfig, TrainingSpec):

@@ -50,7 +50,7 @@ SFT_DATA: StageDef[SFTManifest] = StageDef(
 def run(recipe: Recipe, inputs: Inputs, progress: StepProgress | None) -> TrainedModel:
     from training.stages.sft import run_sft
 
-    return run_sft(recipe.sft_spec(), inputs["base"], inputs["data"], progress=progress)
+    return run_sft(recipe.sft_spec(), inputs["base"], inputs["data"], progress, inputs["corpus"])
 
 
 def outputs(recipe: Recipe, inputs: Inputs, model: TrainedModel) -> dict[str, Any]:
@@ -61,7 +61,7 @@ SFT: StageDef[TrainedModel] = StageDef(
     name="sft",
     help="stage 3: supervised fine-tuning, LoRA or full (--set sft.method=full)",
     run=run,
-    needs={"base": "pretrain", "data": "sft_data"},
+    needs={"base": "pretrain", "data": "sft_data", "corpus": "tokenize"},  # corpus: sft.replay_rows' windows
     section="sft",
     config=SFTConfig,
     progress="steps",

@@ -58,6 +58,31 @@ def test_lora_improves_heldout_loss_and_logs(lora_run: TrainedModel) -> None:
     )
 
 
+def test_replayed_pretraining_windows_keep_the_pretraining_text(
+    base: tuple[TrainedModel, Path], lora_run: TrainedModel
+) -> None:
+    """The session's LoRA SFT again with `sft.replay_rows` windows of the base's own token shards under every
+    micro-batch: it still learns the responses, and scores the held-out pretraining text better than the SFT without
+    replay (both at their trained context, 128 tokens). The demo's: 9.6% more bits per byte than the pretrained model
+    without replay, 1.0% with four rows (README)."""
+    from evaluation.heldout import heldout_documents, heldout_metrics
+    from evaluation.model_io import load_for_eval
+
+    ref, out = base
+    recipe = load_recipe("smoke", smoke_overrides(out, *SMOKE_SETTINGS, "sft.replay_rows=4"))
+    corpus = run_tokenize(recipe.data, recipe.output_dir)  # the base's, already on disk
+    replayed = run_sft(recipe.sft_spec(), ref, sft_data(recipe, ref), replay=corpus)
+    assert replayed.summary["sft/heldout_loss_after"] < replayed.summary["sft/heldout_loss_before"] - 0.05
+    docs = heldout_documents(recipe.data, recipe.eval.max_documents)
+    bpb = {
+        run.path: heldout_metrics(load_for_eval(run, "m"), docs, 8)["all"]["bits_per_byte"]
+        for run in (lora_run, replayed)
+    }
+    assert bpb[replayed.path] < bpb[lora_run.path] - 0.02, bpb  # measured 4.065 against 4.116
+    with pytest.raises(DataError, match="sft.replay_rows=0"):  # nothing to replay
+        run_sft(recipe.sft_spec(), ref, sft_data(recipe, ref))
+
+
 def test_adapter_loads_with_peft_on_the_hf_export(
     base: tuple[TrainedModel, Path], lora_run: TrainedModel
 ) -> None:

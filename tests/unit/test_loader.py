@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipeline.loader import EpochSampler, PackedLoader
+from data_pipeline.loader import EpochSampler, MixedLoader, PackedLoader
 from data_pipeline.shards import DatasetManifest, ShardReader
 from data_pipeline.sources import DataError
 
@@ -80,6 +80,25 @@ def test_resume_yields_exactly_the_uninterrupted_batches(
     for expected in reference[stop_after:]:
         got = resumed.next_batch()
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_a_mixed_loader_stacks_both_batches_and_resumes_both(tokenized: tuple[DatasetManifest, Path]) -> None:
+    """SFT's replay: each batch is the main loader's rows over the replayed ones, and a restored state continues
+    both streams where they stood (the replay at another pace: two rows a batch against four)."""
+    manifest, _ = tokenized
+
+    def make() -> MixedLoader:
+        return MixedLoader(loader(manifest, seed=1), loader(manifest, batch_size=2, seed=2))
+
+    main, replay, straight = loader(manifest, seed=1), loader(manifest, batch_size=2, seed=2), make()
+    for _ in range(3):
+        got, a, b = straight.next_batch(), main.next_batch(), replay.next_batch()
+        assert torch.equal(got.inputs, torch.cat([a.inputs, b.inputs])) and got.targets.shape == (6, SEQ)
+    state = straight.state_dict()
+    reference = [straight.next_batch() for _ in range(4)]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert all(torch.equal(resumed.next_batch().targets, expected.targets) for expected in reference)
 
 
 def test_state_from_another_configuration_is_refused(tokenized: tuple[DatasetManifest, Path]) -> None:

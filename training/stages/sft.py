@@ -1,7 +1,8 @@
 """Stage 3: supervised fine-tuning, full or LoRA, of a pretrained model, as a stage over the one lifecycle.
 
 `run_sft(spec, base, data) -> TrainedModel`: the same engine and loop as pretraining, fed SFT batches whose
-targets cover only assistant tokens (the loss is the mean over the step's response tokens). Before and after
+targets cover only assistant tokens (the loss is the mean over the step's response tokens), with `sft.replay_rows`
+windows of the base's pretraining text stacked under each micro-batch (their tokens join the mean). Before and after
 training it measures the held-out response-token loss (the loop's val/loss at the first and last step) and
 exact match of greedy answers to held-out prompts. Outputs: for LoRA a PEFT adapter directory (loads on the
 base's Hugging Face export with `PeftModel.from_pretrained`, verified) plus a merged export; for full SFT an
@@ -20,8 +21,10 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from data_pipeline.config import END_OF_TURN
-from data_pipeline.loader import SampledLoader
+from data_pipeline.loader import MixedLoader, PackedLoader, SampledLoader
 from data_pipeline.sft import Messages, SFTLoader, SFTManifest, render
+from data_pipeline.shards import DatasetManifest
+from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import describe
 from infra.steps import Artifact
 from infra.storage import atomic_write_json
@@ -76,6 +79,19 @@ class SFT(TrainingStage):
         base, data = inputs["base"], inputs["data"]
         assert isinstance(base, TrainedModel) and isinstance(data, SFTManifest)
         check_examples(base, data, spec.train.seq_len, "SFT data", "sft")
+        if spec.replay_rows:
+            replay = inputs.get("replay")
+            if not isinstance(replay, DatasetManifest):
+                raise DataError(
+                    f"sft.replay_rows={spec.replay_rows} replays pretraining text, but no token shards were given; "
+                    "pass the base's tokenized corpus or set sft.replay_rows=0"
+                )
+            if replay.tokenizer.digest != base.tokenizer_digest:
+                raise DataError(
+                    f"sft.replay_rows replays {replay.path}, tokenized with {replay.tokenizer.digest[:16]}..., but "
+                    f"the base model uses {base.tokenizer_digest[:16]}...; tokenize its corpus with the base's "
+                    "tokenizer (data.tokenizer.path) or set sft.replay_rows=0"
+                )
 
     def run_name(self, spec: SFTSpec) -> str:
         return f"{spec.name}-{spec.method}"
@@ -102,14 +118,22 @@ class SFT(TrainingStage):
             "world_size": world,
             "tokenizer_digest": job.inputs["base"].tokenizer_digest,
         }
-        train = SFTLoader(
-            data,
+        accumulation = job.spec.train.grad_accum_steps(world)
+        train = SFTLoader(data, "train", seed=job.spec.train.seed, accumulation=accumulation, **common)
+        heldout = SFTLoader(data, "heldout", shuffle=False, **common)  # the responses' loss alone
+        if not job.spec.replay_rows:
+            return train, heldout
+        replay = PackedLoader(
+            job.inputs["replay"],
             "train",
+            seq_len=job.spec.train.seq_len,
+            batch_size=job.spec.replay_rows,
+            rank=rank,
+            world_size=world,
             seed=job.spec.train.seed,
-            accumulation=job.spec.train.grad_accum_steps(world),
-            **common,
+            accumulation=accumulation,
         )
-        return train, SFTLoader(data, "heldout", shuffle=False, **common)
+        return MixedLoader(train, replay), heldout
 
     def finalize(self, job: TrainingJob, final: Path, tracker: Tracker) -> TrainedModel:
         """Adapter / merged export (verified), before-and-after metrics."""
@@ -146,10 +170,16 @@ SFT_STAGE = SFT()
 
 
 def run_sft(
-    spec: SFTSpec, base: TrainedModel, data: SFTManifest, progress: Progress | None = None
+    spec: SFTSpec,
+    base: TrainedModel,
+    data: SFTManifest,
+    progress: Progress | None = None,
+    replay: DatasetManifest | None = None,
 ) -> TrainedModel:
-    """Fine-tune `base` on `data` (1 worker in-process, N on Ray Train)."""
-    return run_training_stage(SFT_STAGE, spec, {"base": base, "data": data}, progress)
+    """Fine-tune `base` on `data` (1 worker in-process, N on Ray Train), with `sft.replay_rows` windows of `replay`
+    (the base's pretraining tokens) in every micro-batch."""
+    inputs = {"base": base, "data": data, **({"replay": replay} if spec.replay_rows and replay else {})}
+    return run_training_stage(SFT_STAGE, spec, inputs, progress)
 
 
 def heldout_examples(data: SFTManifest, limit: int) -> list[Messages]:
