@@ -26,7 +26,7 @@ from infra.storage import atomic_write_bytes, atomic_write_json, sha256_file
 from infra.tracking import tracked_run
 from training.stages.lifecycle import TrainedModel
 
-EVAL_VERSION = 2
+EVAL_VERSION = 3  # 3: each model's base_run_dir
 
 
 class EvalReport(Artifact):
@@ -44,6 +44,12 @@ class EvalReport(Artifact):
 
     def value(self, metric: str, model: str) -> float | None:
         return self.metrics.get(metric, {}).get(model)
+
+    def column(self, run_dir: str | None) -> str | None:
+        """The name of the model scored from `run_dir`, if the report scored it."""
+        return next(
+            (name for name, info in self.models.items() if run_dir and info["run_dir"] == run_dir), None
+        )
 
 
 def build_tasks(cfg: EvalConfig, sft_heldout: str | Path | None) -> list[Task]:
@@ -190,6 +196,7 @@ def _evaluate(
             info[em.name] = {
                 "run_dir": em.ref.path,
                 "kind": em.ref.kind,
+                "base_run_dir": em.ref.base_run_dir,  # its lineage, which the registry's gates walk
                 "hf_export": em.ref.hf_export,
                 "export_valid": em.ref.export_valid,
                 "max_abs_logit_diff": em.ref.max_abs_logit_diff,

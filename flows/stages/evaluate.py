@@ -90,21 +90,16 @@ def needs_llama_layout(stage: str) -> Any:
     return check
 
 
-def column(report: EvalReport, run_dir: str | None) -> str | None:
-    """The report's column of the run in `run_dir`."""
-    return next((name for name, info in report.models.items() if info["run_dir"] == run_dir), None)
-
-
 def run_register(recipe: Recipe, inputs: Inputs, progress: Any) -> Registered:
-    """Gate the candidate against the model it was tuned from (its column in the report), register it; then the
-    frontier's chosen compressed variant, when compression ran."""
+    """Gate the candidate against the model it was tuned from (its column in the report), and each tuned model before
+    it against its own base, register it; then the frontier's chosen compressed variant, when compression ran."""
     from flows.lineage import record_register
     from flows.registration import register_compressed, register_final
 
     model, report = inputs["model"], inputs["report"]
-    name = column(report, model.path)
+    name = report.column(model.path)
     version = register_final(
-        recipe, model, report, column(report, model.base_run_dir), inputs.get("law"), name
+        recipe, model, report, report.column(model.base_run_dir), inputs.get("law"), name
     )
     record_register(recipe, version, model)
     front = inputs.get("frontier")
