@@ -231,9 +231,11 @@ def test_mlflow_holds_the_lineage(served_run):
     assert "compressed" in small.aliases and small.tags["gate.export_verified"] == "true"
     assert version.tags["gate.export_verified"] == "true"
     gates = {k: v for k, v in version.tags.items() if k.startswith("gate.")}
-    declared = {
-        f"gate.{g.metric}" for g in load_recipe("smoke").eval.dpo_gates
-    }  # the DPO model is the candidate
+    smoke = load_recipe("smoke").eval
+    declared = {  # the DPO model is the candidate, gated against the LoRA SFT, and that against the pretrained model
+        *(f"gate.{g.metric}" for g in smoke.dpo_gates),
+        *(f"gate.lora vs pretrain/{g.metric}" for g in smoke.gates),
+    }
     assert set(gates) | {
         f"gate.{m}" for m in version.tags.get("lmforge.gates_skipped", "").split(",") if m
     } == {
