@@ -86,12 +86,7 @@ class SFT(TrainingStage):
                     f"sft.replay_rows={spec.replay_rows} replays pretraining text, but no token shards were given; "
                     "pass the base's tokenized corpus or set sft.replay_rows=0"
                 )
-            if replay.tokenizer.digest != base.tokenizer_digest:
-                raise DataError(
-                    f"sft.replay_rows replays {replay.path}, tokenized with {replay.tokenizer.digest[:16]}..., but "
-                    f"the base model uses {base.tokenizer_digest[:16]}...; tokenize its corpus with the base's "
-                    "tokenizer (data.tokenizer.path) or set sft.replay_rows=0"
-                )
+            replay.check_tokenizer(base.tokenizer_digest)
 
     def run_name(self, spec: SFTSpec) -> str:
         return f"{spec.name}-{spec.method}"
