@@ -356,12 +356,14 @@ class DistillConfig(BaseModel):
 
 
 class SweepSize(BaseModel):
-    """One model size of a sweep: a depth and, optionally, a width (d_model) other than depth × aspect ratio."""
+    """One model size of a sweep: a depth and, optionally, a width (d_model) other than depth × aspect ratio and
+    seeds other than the sweep's (replicas where they pay: the shapes the rung may get)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     depth: PositiveInt
     width: PositiveInt | None = None
+    seeds: list[NonNegativeInt] | None = None  # None: the sweep's `seeds`
 
 
 # which scaling-law form sizes the rung (evaluation/law_form.py)

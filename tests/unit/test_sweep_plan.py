@@ -44,6 +44,13 @@ def test_demo_sweep_brackets_a_decade_with_one_run_per_size_and_seed():
     assert plans[0].batch > plans[-1].batch
 
 
+def test_a_size_can_have_its_own_seeds():
+    """Replicas where they pay: a size's own `seeds` replace the sweep's for that size alone."""
+    sizes = [{"depth": 1, "width": 16}, {"depth": 3, "width": 48, "seeds": [0, 1, 2]}]
+    plans, _ = plan_trials(demo(f"sweep.sizes={sizes}", "sweep.seeds=[5]").sweep_spec())
+    assert [(p.depth, p.width, p.seed) for p in plans] == [(1, 16, 5), (3, 48, 0), (3, 48, 1), (3, 48, 2)]
+
+
 def test_a_horizon_mostly_warmup_is_left_out_and_says_why():
     """Where the warmup floor would be over `max_warmup_share` of a run's shortest horizon, that horizon is not
     trained (the next one sets the warmup and may stay); every other horizon and run is as without the rule."""

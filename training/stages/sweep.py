@@ -150,7 +150,8 @@ def plan_trials(spec: SweepSpec) -> tuple[list[TrialPlan], list[str]]:
                 )
             if not kept:
                 continue
-            for lr, seed in itertools.product(sweep.lrs or [base.optim.lr], sweep.seeds or [base.train.seed]):
+            seeds = size.seeds or sweep.seeds or [base.train.seed]
+            for lr, seed in itertools.product(sweep.lrs or [base.optim.lr], seeds):
                 plans.append(
                     TrialPlan(
                         budgets=[c for c, _ in kept],
