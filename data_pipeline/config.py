@@ -46,17 +46,22 @@ class SFTDataConfig(BaseModel):
     overflow: Literal["truncate", "drop"] = "drop"  # examples longer than the sequence length
 
 
+RejectedMode = Literal["other_answer", "shuffled", "swapped", "garbled"]
+
+
 class PreferenceConfig(BaseModel):
-    """Preference pairs for DPO: derived from the SFT examples (chosen = the reference answer, rejected = another
-    question's answer or the reference's words shuffled), or a JSONL/Parquet file of `{"prompt", "chosen",
+    """Preference pairs for DPO and the reward model: derived from the SFT examples (chosen = the reference answer,
+    rejected = another question's answer or the reference corrupted), or a JSONL/Parquet file of `{"prompt", "chosen",
     "rejected"}` records (`prompt` a string or a list of chat turns)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     source: str = "derived"
-    # how derived pairs get their rejected side; `shuffled` (the answer's words in another order) teaches even a
-    # small model something that carries over to held-out questions, another question's answer mostly does not
-    rejected: Literal["other_answer", "shuffled", "swapped"] = "shuffled"
+    # how derived pairs get their rejected side (a list: the pairs take the modes in turn); `shuffled` (the
+    # answer's words in another order) teaches even a small model something that carries over to held-out
+    # questions, another question's answer mostly does not; `garbled` (a third of the answer's characters
+    # replaced by byte noise) teaches a reward model that text beats the bytes a drifting policy samples
+    rejected: RejectedMode | list[RejectedMode] = "shuffled"
     max_pairs: PositiveInt | None = 2000
     heldout_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
     seed: int = 0

@@ -1,7 +1,8 @@
 """Preference pairs for DPO: (prompt, chosen, rejected), rendered with the chat template, loss on the response.
 
 Sources: `derived`, made offline from the SFT conversations (chosen = the reference answer; rejected = another
-question's answer, `other_answer`, or the reference's words shuffled, `shuffled`, both drawn from the seed), or
+question's answer, `other_answer`, or the reference corrupted: `shuffled`, `swapped`, `garbled`; all drawn from
+the seed, one mode or several in turn), or
 a JSONL / Parquet file of `{"prompt", "chosen", "rejected"}` records, the prompt a string (one user turn) or a
 list of chat turns that ends before the answer.
 
@@ -68,26 +69,59 @@ class PairBatch(NamedTuple):
 # ---- sources ----------------------------------------------------------------------------------------------
 
 
-def derive_pairs(conversations: list[Messages], how: str, seed: int) -> list[Pair]:
+def derive_pairs(conversations: list[Messages], how: str | list[str], seed: int) -> list[Pair]:
     """Pairs from SFT conversations: chosen = the final answer; rejected = the answer of the conversation a fixed
-    random offset away (`other_answer`), the answer's words in a seeded random order (`shuffled`), or the answer
-    with two of its words swapped (`swapped`)."""
+    random offset away (`other_answer`), the answer's words in a seeded random order (`shuffled`), the answer
+    with two of its words swapped (`swapped`) or with a third of its characters replaced by byte noise
+    (`garbled`). A list of modes: pair i takes mode i modulo its length."""
     rng = np.random.default_rng(seed)
+    modes = [how] if isinstance(how, str) else how
     answers = [c[-1]["content"] for c in conversations]
     offset = int(rng.integers(1, len(answers))) if len(answers) > 1 else 0
     pairs = []
     for i, conversation in enumerate(conversations):
-        words = answers[i].split()
-        if how == "other_answer":
+        mode, words = modes[i % len(modes)], answers[i].split()
+        if mode == "other_answer":
             rejected = answers[(i + offset) % len(answers)]
-        elif how == "shuffled":
+        elif mode == "shuffled":
             rejected = " ".join(words[j] for j in rng.permutation(len(words)))
+        elif mode == "garbled":
+            rejected = garbled(answers[i], rng)
         else:  # swapped: two words trade places, a subtler corruption
             a, b = rng.choice(len(words), size=2, replace=False) if len(words) > 1 else (0, 0)
             words[a], words[b] = words[b], words[a]
             rejected = " ".join(words)
         pairs.append(Pair(conversation[:-1], answers[i], rejected))
     return pairs
+
+
+# what a policy that drifted off text samples from a byte-level vocabulary, as characters: control bytes, and code
+# points of two, three and four UTF-8 bytes (their lead and continuation bytes are the byte tokens such a policy
+# strings together; the demo's RL samples decode to U+FFFD, control characters and stray letters)
+NOISE_RANGES = {
+    1: [(0x00, 0x09), (0x0B, 0x0D), (0x0E, 0x20), (0x7F, 0x80)],
+    2: [(0x80, 0x800)],
+    3: [(0x800, 0xD800), (0xE000, 0x10000)],
+    4: [(0x10000, 0x110000)],
+}
+
+
+def is_noise(character: str) -> bool:
+    code = ord(character)
+    return any(lo <= code < hi for ranges in NOISE_RANGES.values() for lo, hi in ranges)
+
+
+def garbled(text: str, rng: np.random.Generator, share: float = 1 / 3) -> str:
+    """`text` with a random stretch of a third of its characters (at least one) replaced by byte noise: each
+    character of one to four UTF-8 bytes, equally likely."""
+    length = max(1, round(share * len(text)))
+    start = int(rng.integers(0, len(text) - length + 1))
+    noise = []
+    for width in rng.integers(1, 5, size=length):
+        ranges = NOISE_RANGES[int(width)]
+        lo, hi = ranges[int(rng.integers(len(ranges)))]
+        noise.append(chr(int(rng.integers(lo, hi))))
+    return text[:start] + "".join(noise) + text[start + length :]
 
 
 def _pair(record: Any, where: str) -> Pair:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from data_pipeline.preference import (
     PreferenceLoader,
     derive_pairs,
     encode_side,
+    is_noise,
     read_heldout_pairs,
     read_pairs,
     run_preference_data,
@@ -61,6 +63,19 @@ def test_derived_pairs_keep_the_answer_and_corrupt_the_rejected_side() -> None:
         assert sorted(chosen) == sorted(rejected) and sum(
             a != b for a, b in zip(chosen, rejected, strict=True)
         ) in (0, 2)
+
+
+def test_garbled_pairs_replace_a_third_of_the_answer_with_byte_noise_and_modes_mix() -> None:
+    for pair in derive_pairs(CONVERSATIONS, "garbled", seed=3):
+        chosen, rejected = pair.chosen, pair.rejected
+        head = len(os.path.commonprefix([chosen, rejected]))
+        tail = len(os.path.commonprefix([chosen[head:][::-1], rejected[head:][::-1]]))
+        noise = rejected[head : len(rejected) - tail]  # the stretch that differs
+        assert len(rejected) == len(chosen) and 0 < len(noise) <= round(len(chosen) / 3)
+        assert all(map(is_noise, noise)) and not all(c.isprintable() for c in noise)
+    mixed = derive_pairs(CONVERSATIONS, ["swapped", "garbled"], seed=3)
+    assert all(sorted(p.rejected.split()) == sorted(p.chosen.split()) for p in mixed[::2])
+    assert all(any(map(is_noise, p.rejected)) for p in mixed[1::2])
 
 
 def test_the_mask_covers_the_final_answer_only(tok: TokenizerRef) -> None:
