@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import codecs
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
@@ -61,7 +61,7 @@ class PreferenceConfig(BaseModel):
     # answer's words in another order) teaches even a small model something that carries over to held-out
     # questions, another question's answer mostly does not; `garbled` (a third of the answer's characters
     # replaced by byte noise) teaches a reward model that text beats the bytes a drifting policy samples
-    rejected: RejectedMode | list[RejectedMode] = "shuffled"
+    rejected: RejectedMode | Annotated[list[RejectedMode], Field(min_length=1)] = "shuffled"
     max_pairs: PositiveInt | None = 2000
     heldout_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
     seed: int = 0

@@ -114,6 +114,8 @@ def is_noise(character: str) -> bool:
 def garbled(text: str, rng: np.random.Generator, share: float = 1 / 3) -> str:
     """`text` with a random stretch of a third of its characters (at least one) replaced by byte noise: each
     character of one to four UTF-8 bytes, equally likely."""
+    if not text:
+        return text
     length = max(1, round(share * len(text)))
     start = int(rng.integers(0, len(text) - length + 1))
     noise = []

@@ -363,7 +363,7 @@ class SweepSize(BaseModel):
 
     depth: PositiveInt
     width: PositiveInt | None = None
-    seeds: list[NonNegativeInt] | None = None  # None: the sweep's `seeds`
+    seeds: list[NonNegativeInt] | None = Field(None, min_length=1)  # None: the sweep's `seeds`
 
 
 # which scaling-law form sizes the rung (evaluation/law_form.py)
