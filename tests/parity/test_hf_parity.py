@@ -129,7 +129,7 @@ def test_mixed_dense_and_moe_has_no_mixtral_equivalent() -> None:
 def test_unsupported_hf_model_type(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "gpt2"}')
-    with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
+    with pytest.raises(ValueError, match="model_type: 'gpt2' is not supported"):
         load_hf_config(tmp_path)
 
 

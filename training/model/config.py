@@ -32,6 +32,16 @@ class MoEConfig(BaseModel):
     z_loss_coef: NonNegativeFloat = 0.001
     first_k_dense: NonNegativeInt = 0
     every_n_layers: PositiveInt = 1
+    # Hugging Face families (imported checkpoints): Qwen2-MoE keeps the top-k probabilities as they are
+    # (`norm_topk_prob: false`); Qwen2-MoE adds a shared SwiGLU expert of this width beside the routed ones, its
+    # output scaled by sigmoid(shared_expert_gate · x)
+    norm_topk_prob: bool = True
+    shared_expert_d_ff: PositiveInt | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The family fields are dumped only when set, so runs keyed before they existed are still found."""
+        return without_defaults(handler(self), {"norm_topk_prob": True, "shared_expert_d_ff": None})
 
     @model_validator(mode="after")
     def _check_top_k(self) -> MoEConfig:
@@ -74,6 +84,35 @@ class MuPConfig(BaseModel):
         return data
 
 
+class RopeScaling(BaseModel):
+    """Llama 3's RoPE frequency scaling (`rope_type: llama3`): wavelengths longer than the original context divided
+    by `factor`, shorter than it / `high_freq_factor` kept, those between interpolated smoothly."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    factor: PositiveFloat
+    low_freq_factor: PositiveFloat = 1.0
+    high_freq_factor: PositiveFloat = 4.0
+    original_max_position_embeddings: PositiveInt = 8192
+
+
+# the fields an imported Hugging Face family adds, and their values for lmforge's own (Llama-shaped) models; a dump
+# leaves them out at these values so that every run keyed before they existed keeps its key
+FAMILY_DEFAULTS: dict[str, Any] = {
+    "family": None,
+    "explicit_head_dim": None,
+    "qkv_bias": False,
+    "qk_norm": "none",
+    "norm_placement": "pre",
+    "rope_scaling": None,
+    "sliding_window": None,
+}
+
+
+def without_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if not (k in defaults and v == defaults[k])}
+
+
 class ModelConfig(BaseModel):
     """Architecture hyper-parameters. `depth` in a recipe derives the widths (see `from_depth`)."""
 
@@ -94,6 +133,22 @@ class ModelConfig(BaseModel):
     mup: MuPConfig | None = None  # None: standard parametrisation
     attention: Literal["softmax", "linear", "favor"] = "softmax"
     attention_features: int | None = None  # favor: random features per head (None: ⌈head_dim·ln head_dim⌉)
+    # What a Hugging Face family adds (`training/model/families.py`); lmforge's own models leave them at their defaults.
+    family: str | None = None  # the family it exports as (None: llama, or mixtral when every layer is MoE)
+    explicit_head_dim: PositiveInt | None = None  # head_dim when it is not d_model / n_heads (Qwen3)
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2)
+    qk_norm: Literal["none", "head", "projection"] = (
+        "none"  # RMSNorm on q and k: per head (Qwen3), whole (OLMo 2)
+    )
+    norm_placement: Literal["pre", "post"] = "pre"  # post: norms on each branch's output (OLMo 2)
+    rope_scaling: RopeScaling | None = None
+    sliding_window: PositiveInt | None = (
+        None  # each query attends to the last `sliding_window` keys (Mistral)
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_family_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return without_defaults(handler(self), FAMILY_DEFAULTS)
 
     @model_validator(mode="before")
     @classmethod
@@ -116,7 +171,7 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
-        if self.d_model % self.n_heads:
+        if self.explicit_head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} must divide d_model={self.d_model} "
                 f"(head_dim would be {self.d_model / self.n_heads:.1f}); pick n_heads among {divisors(self.d_model)}"
@@ -161,12 +216,12 @@ class ModelConfig(BaseModel):
 
     @property
     def has_llama_layout(self) -> bool:
-        """Whether a Hugging Face Llama/Mixtral model computes the same function (softmax attention only)."""
+        """Whether a Hugging Face model of its family computes the same function (softmax attention only)."""
         return self.attention == "softmax"
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.explicit_head_dim or self.d_model // self.n_heads
 
     @property
     def width_mult(self) -> float:

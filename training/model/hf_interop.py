@@ -1,4 +1,5 @@
-"""Mapping between our model and Hugging Face Llama (dense) / Mixtral (MoE): configs and state dicts.
+"""Mapping between our model and Hugging Face models (Llama and Mixtral for lmforge's own; every family of
+`training/model/families.py` for imported ones): configs and state dicts.
 
 Our module tree uses Hugging Face names and the `rotate_half` RoPE layout, so the state-dict mapping is the
 identity: `model.embed_tokens.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`,
@@ -15,21 +16,20 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from data_pipeline.sources import DataError
-from training.model.config import ModelConfig, MoEConfig
+from training.model.checkpoint_files import read_state_dict
+from training.model.config import ModelConfig
+from training.model.families import family_for, hf_config_kwargs, model_config_from_hf
 from training.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_HF_TYPES = ("llama", "mixtral")
 NATIVE_CONFIG = "lmforge_model.json"  # an export in lmforge's own layout: our ModelConfig, no config.json
 
 
@@ -40,52 +40,19 @@ def no_llama_layout(cfg: ModelConfig) -> str:
     )
 
 
-def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict[str, Any]]:
-    """(model_type, keyword arguments for LlamaConfig or MixtralConfig) equivalent to `cfg`."""
-    if not cfg.has_llama_layout:
-        raise ValueError(no_llama_layout(cfg))
-    common: dict[str, Any] = {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "hidden_act": "silu",
-    }
-    if cfg.moe is None:
-        return "llama", {**common, "intermediate_size": cfg.d_ff, "attention_bias": False, "mlp_bias": False}
-    if not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
-        raise ValueError(
-            "Mixtral has an MoE feed-forward in every layer; this model mixes dense and MoE layers "
-            f"(moe.first_k_dense={cfg.moe.first_k_dense}, moe.every_n_layers={cfg.moe.every_n_layers}), so it has "
-            "no Hugging Face Mixtral equivalent"
-        )
-    return "mixtral", {
-        **common,
-        "intermediate_size": cfg.moe.d_ff_expert,
-        "num_local_experts": cfg.moe.n_experts,
-        "num_experts_per_tok": cfg.moe.top_k,
-        "router_aux_loss_coef": cfg.moe.aux_loss_coef,
-        "router_jitter_noise": 0.0,
-    }
-
-
 def build_hf_model(cfg: ModelConfig, head: str = "CausalLM", **config: Any) -> nn.Module:
-    """An uninitialised `LlamaFor<head>` / `MixtralFor<head>` (`CausalLM`, `SequenceClassification`) with `cfg`'s
-    architecture (fp32, eager attention); `config` adds fields to its config (e.g. `num_labels`)."""
+    """An uninitialised `<Family>For<head>` (`CausalLM`, `SequenceClassification`) of `cfg`'s family (Llama or
+    Mixtral for lmforge's own models) with its architecture (fp32, eager attention); `config` adds fields to its
+    config (e.g. `num_labels`)."""
     import transformers
 
-    model_type, kwargs = hf_config_kwargs(cfg)
-    family = "Llama" if model_type == "llama" else "Mixtral"
-    hf_config = getattr(transformers, f"{family}Config")(**kwargs, **config)
+    if not cfg.has_llama_layout:
+        raise ValueError(no_llama_layout(cfg))
+    family = family_for(cfg)
+    _, kwargs = hf_config_kwargs(cfg)
+    hf_config = getattr(transformers, f"{family.prefix}Config")(**kwargs, **config)
     hf_config._attn_implementation = "eager"
-    return getattr(transformers, f"{family}For{head}")(hf_config)
+    return getattr(transformers, f"{family.prefix}For{head}")(hf_config)
 
 
 def query_fold(cfg: ModelConfig) -> float:
@@ -115,52 +82,9 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[st
     return out
 
 
-def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
-    """A `config.json` of a Llama or Mixtral model as our ModelConfig (for sizing with `lmforge model summary`)."""
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_HF_TYPES:
-        raise ValueError(
-            f"model_type={model_type!r} is not supported; lmforge reads {', '.join(SUPPORTED_HF_TYPES)} config.json files"
-        )
-    n_heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
-    if head_dim * n_heads != config["hidden_size"]:
-        raise ValueError(
-            f"head_dim={head_dim} x num_attention_heads={n_heads} != hidden_size={config['hidden_size']}; "
-            "lmforge derives head_dim as hidden_size / num_attention_heads"
-        )
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default":
-        log.warning(
-            "rope_type=%s is not modelled; it changes no parameter, FLOP or memory count", rope["rope_type"]
-        )
-    moe = None
-    if model_type == "mixtral":
-        moe = MoEConfig(
-            n_experts=config["num_local_experts"],
-            top_k=config["num_experts_per_tok"],
-            d_ff_expert=config["intermediate_size"],
-            aux_loss_coef=config.get("router_aux_loss_coef", 0.001),
-        )
-    return ModelConfig(
-        vocab_size=config["vocab_size"],
-        d_model=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        d_ff=config["intermediate_size"],
-        max_seq_len=config.get("max_position_embeddings", 2048),
-        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10_000.0)),
-        norm_eps=config.get("rms_norm_eps", 1e-5),
-        tie_embeddings=config.get("tie_word_embeddings", False),
-        init_std=config.get("initializer_range", 0.02),
-        moe=moe,
-    )
-
-
 def load_hf_config(path: str | Path) -> ModelConfig:
     """Read a Hugging Face `config.json` (or a directory holding one, or an export in lmforge's own layout) into a
-    ModelConfig."""
+    ModelConfig; `UnsupportedModel` (a ValueError) names the field lmforge cannot represent."""
     path = Path(path)
     if path.is_dir() and (path / NATIVE_CONFIG).is_file():
         return ModelConfig.model_validate_json((path / NATIVE_CONFIG).read_text())
@@ -174,43 +98,23 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         ) from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
-    return model_config_from_hf(data)
+    try:
+        return model_config_from_hf(data)
+    except KeyError as error:
+        raise ValueError(
+            f"{path}: no {error.args[0]!r}, which every Hugging Face decoder config has"
+        ) from None
 
 
-def load_export(export_dir: str | Path) -> Transformer:
-    """Our Transformer with the weights of an export (Hugging Face names are ours; tied heads re-tied; Mixtral's
-    per-expert checkpoint names, which `save_pretrained` writes, stacked back)."""
+def load_export(export_dir: str | Path, dtype: torch.dtype | None = torch.float32) -> Transformer:
+    """Our Transformer with the weights of a Hugging Face model directory (an export of ours or anyone's: see
+    `checkpoint.read_state_dict` for the files it reads and refuses), in `dtype` (None: the checkpoint's)."""
     export_dir = Path(export_dir)
     cfg = load_hf_config(export_dir)
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(export_dir.glob("*.safetensors")):
-        state.update(load_file(file))
-    return load_weights(Transformer(cfg, seed=None), stacked_experts(state), export_dir)
-
-
-LEGACY_EXPERT = re.compile(r"^(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
-
-
-def stacked_experts(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A Mixtral state dict in the checkpoint layout transformers v5 saves (`block_sparse_moe.gate`,
-    `block_sparse_moe.experts.{e}.w1/w3/w2`: gate, up and down projections per expert) in the stacked layout of
-    the modelling code and ours (`mlp.gate`, `mlp.experts.gate_up_proj` (E, 2I, H), gate rows first, and
-    `mlp.experts.down_proj` (E, H, I)) — the same conversion transformers applies when it loads them. Other
-    keys pass through."""
-    out: dict[str, Tensor] = {}
-    experts: dict[str, dict[str, dict[int, Tensor]]] = {}
-    for key, tensor in state.items():
-        match = LEGACY_EXPERT.match(key)
-        if match:
-            layer, index, which = match.groups()
-            experts.setdefault(layer, {}).setdefault(which, {})[int(index)] = tensor
-        else:
-            out[key.replace(".block_sparse_moe.", ".mlp.")] = tensor
-    for layer, parts in experts.items():
-        stack = {w: torch.stack([parts[w][e] for e in sorted(parts[w])]) for w in ("w1", "w2", "w3")}
-        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([stack["w1"], stack["w3"]], dim=1)
-        out[f"{layer}.mlp.experts.down_proj"] = stack["w2"]
-    return out
+    with torch.device("meta"):
+        model = Transformer(cfg, seed=None)
+    state = read_state_dict(export_dir, dtype)
+    return load_weights(model, state, export_dir, assign=True)
 
 
 def load_weights(
@@ -218,7 +122,12 @@ def load_weights(
 ) -> Transformer:
     """`model` with `state` loaded (a tied head may be absent; `assign` keeps the tensors themselves, e.g. torchao
     ones), in eval mode; weights that do not fit its config are refused naming `where`."""
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=assign)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=assign)
+    except RuntimeError as error:  # shapes that differ from the config's
+        raise DataError(
+            f"{where}: weights do not match its config.json ({str(error).splitlines()[-1].strip()})"
+        ) from None
     if unexpected or [k for k in missing if not (model.cfg.tie_embeddings and k == "lm_head.weight")]:
         raise DataError(
             f"{where}: weights do not match its config (missing {missing}, unexpected {unexpected})"

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from training.model.config import MoEConfig
+from training.model.feed_forward import FeedForward
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,12 @@ class RouterStats:
 
 
 class TopKRouter(nn.Module):
-    """Linear router: softmax over experts in fp32, keep the top k, renormalise their weights to sum to one."""
+    """Linear router: softmax over experts in fp32, keep the top k, renormalise their weights to sum to one (unless
+    `normalize` is off: Qwen2-MoE keeps the top-k probabilities as they are)."""
 
-    def __init__(self, d_model: int, n_experts: int, top_k: int) -> None:
+    def __init__(self, d_model: int, n_experts: int, top_k: int, normalize: bool = True) -> None:
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.normalize = top_k, normalize
         self.weight = nn.Parameter(torch.empty(n_experts, d_model))
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -52,7 +54,7 @@ class TopKRouter(nn.Module):
         logits = F.linear(x, self.weight).float()
         probs = logits.softmax(dim=-1)
         top_probs, expert_ids = probs.topk(self.top_k, dim=-1)
-        weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        weights = top_probs / top_probs.sum(dim=-1, keepdim=True) if self.normalize else top_probs
         return weights.to(x.dtype), expert_ids, probs, logits
 
 
@@ -233,19 +235,26 @@ grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_save_operands)
 
 
 class MoE(nn.Module):
-    """Sparse feed-forward: route each token to its top-k experts and mix their outputs by router weight."""
+    """Sparse feed-forward: route each token to its top-k experts and mix their outputs by router weight (plus a
+    gated shared expert where the config has one)."""
 
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.n_experts = cfg.n_experts
-        self.gate = TopKRouter(d_model, cfg.n_experts, cfg.top_k)
+        self.gate = TopKRouter(d_model, cfg.n_experts, cfg.top_k, cfg.norm_topk_prob)
         self.experts = Experts(cfg.n_experts, d_model, cfg.d_ff_expert)
+        if cfg.shared_expert_d_ff is not None:
+            # Qwen2-MoE's shared expert: every token visits it, its output scaled by sigmoid(shared_expert_gate · x)
+            self.shared_expert = FeedForward(d_model, cfg.shared_expert_d_ff)
+            self.shared_expert_gate = nn.Linear(d_model, 1, bias=False)
 
     def forward(self, x: Tensor) -> tuple[Tensor, RouterStats]:
         """x (B, T, H) -> (B, T, H) and this layer's router statistics."""
         tokens = x.reshape(-1, x.shape[-1])  # (N, H)
         weights, expert_ids, probs, logits = self.gate(tokens)
         out = self.experts(tokens, weights, expert_ids)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         return out.view_as(x), router_stats(probs, logits, expert_ids, self.n_experts)
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from training.model.checkpoint_files import read_state_dict
 from training.model.export import copy_tokenizer_files, fresh_staging, publish_export, verified
-from training.model.hf_interop import build_hf_model, load_hf_config, stacked_experts, to_hf_state_dict
+from training.model.hf_interop import build_hf_model, load_hf_config, to_hf_state_dict
 from training.model.transformer import ModelOutput, Transformer, router_loss
 
 
@@ -92,9 +92,6 @@ def export_reward_model(model: RewardModel, tokenizer_dir: Path, out: Path) -> d
 def load_reward_model(export_dir: Path) -> RewardModel:
     """A reward model from its sequence-classification export (`export_reward_model`'s), in eval mode."""
     pad_id = json.loads((export_dir / "config.json").read_text())["pad_token_id"]
-    state: dict[str, Tensor] = {}
-    for file in sorted(export_dir.glob("*.safetensors")):
-        state.update(load_file(file))
     model = RewardModel(Transformer(load_hf_config(export_dir), seed=None), pad_id)
-    model.load_state_dict(stacked_experts(state), strict=True)
+    model.load_state_dict(read_state_dict(export_dir, torch.float32), strict=True)
     return model.eval()

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.model.config import ModelConfig
+from training.model.config import ModelConfig, RopeScaling
 from training.model.cross_entropy import cross_entropy
+from training.model.feed_forward import FeedForward
 from training.model.linear_attention import (
     LinearState,
     causal_linear_attention,
@@ -56,11 +57,30 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_tables(head_dim: int, positions: Tensor, theta: float) -> tuple[Tensor, Tensor]:
-    """cos, sin (T, D) for absolute positions (T,), channel i paired with i + D/2 (`rotate_half` layout)."""
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Tensor:
+    """RoPE's angular frequency per channel pair (D/2,), fp32; Llama 3's scaling (`RopeScaling`) as Meta's reference
+    computes it: low frequencies (wavelengths past the original context / low_freq_factor) divided by `factor`,
+    high ones kept, the band between interpolated."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    smooth = (context / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
     )
+    between = (wavelength >= context / scaling.high_freq_factor) & (
+        wavelength <= context / scaling.low_freq_factor
+    )
+    return torch.where(between, (1 - smooth) * scaled / scaling.factor + smooth * scaled, scaled)
+
+
+def rope_tables(
+    head_dim: int, positions: Tensor, theta: float, scaling: RopeScaling | None = None
+) -> tuple[Tensor, Tensor]:
+    """cos, sin (T, D) for absolute positions (T,), channel i paired with i + D/2 (`rotate_half` layout)."""
+    inv_freq = inverse_frequencies(head_dim, theta, scaling).to(positions.device)
     angles = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, D)
     return angles.cos(), angles.sin()
@@ -115,11 +135,16 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.scale, self.kind = cfg.attn_scale, cfg.attention
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.scale, self.kind, self.window = cfg.attn_scale, cfg.attention, cfg.sliding_window
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm != "none":  # per head (Qwen3) or over the whole projection (OLMo 2)
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(cfg.head_dim if per_head else cfg.n_heads * cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
         if self.kind == "favor":
             self.register_buffer("projection", torch.zeros(cfg.feature_dim, cfg.head_dim))
 
@@ -138,9 +163,14 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Cache | None = None) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, T, D)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, H·D), (B, T, G·D), (B, T, G·D)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, T, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, T, D)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.kind != "softmax":
             assert cache is None or isinstance(cache, LinearState)
@@ -149,14 +179,20 @@ class Attention(nn.Module):
             assert isinstance(cache, LayerKVCache)
             k, v = cache.update(k, v)  # (B, G, S, D)
         S = k.shape[2]
-        if cache is None and explicit_attention_pays(q):
+        windowed = self.window is not None and self.window < S
+        if cache is None and not windowed and explicit_attention_pays(q):
             y = explicit_causal_attention(q, k, v, self.scale)
         else:
             mask = None
             if cache is not None and cache.padding is not None:
                 mask = padded_causal_mask(cache.padding, T, S)
-            elif 1 < T < S:  # a chunk appended to a cache: query t sees keys up to its absolute position
+            elif 1 < T < S or (windowed and T > 1):  # query t sees keys up to its absolute position
                 mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            if windowed:  # and none more than `window` - 1 positions back (Mistral's sliding window)
+                band = torch.ones(T, S, dtype=torch.bool, device=x.device).triu(
+                    diagonal=S - T - self.window + 1
+                )
+                mask = band if mask is None else mask & band
             y = F.scaled_dot_product_attention(
                 q,
                 k,
@@ -220,27 +256,20 @@ def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> 
     return torch.where(future, float("-inf"), scores).softmax(dim=-1).to(q.dtype) @ v
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, d_model: int, d_ff: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(d_model, d_ff, bias=False)
-        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
-        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block; the feed-forward is dense or MoE."""
+    """Residual block; the feed-forward is dense or MoE. Pre-norm (Llama: `input_layernorm` before attention,
+    `post_attention_layernorm` before the feed-forward), or post-norm inside the residual (OLMo 2:
+    `post_attention_layernorm` on attention's output, `post_feedforward_layernorm` on the feed-forward's)."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.post_norm = cfg.norm_placement == "post"
+        if not self.post_norm:
+            self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if self.post_norm:
+            self.post_feedforward_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.residual_mult = cfg.residual_mult
         self.mlp: nn.Module
         if cfg.moe is not None and cfg.moe.is_moe_layer(layer):
@@ -251,11 +280,23 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Cache | None = None
     ) -> tuple[Tensor, RouterStats | None]:
+        if self.post_norm:
+            return self.post_norm_forward(x, rope, cache)
         h = x + self.branch(self.self_attn(self.input_layernorm(x), rope, cache))
         if isinstance(self.mlp, FeedForward):
             return h + self.branch(self.mlp(self.post_attention_layernorm(h))), None
         y, stats = self.mlp(self.post_attention_layernorm(h))  # MoE, or its expert-parallel stand-in
         return h + self.branch(y), stats
+
+    def post_norm_forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Cache | None = None
+    ) -> tuple[Tensor, RouterStats | None]:
+        """OLMo 2's block: each branch reads the stream as it is and is normalised before it joins."""
+        h = x + self.branch(self.post_attention_layernorm(self.self_attn(x, rope, cache)))
+        if isinstance(self.mlp, FeedForward):
+            return h + self.branch(self.post_feedforward_layernorm(self.mlp(h))), None
+        y, stats = self.mlp(h)
+        return h + self.branch(self.post_feedforward_layernorm(y)), stats
 
     def branch(self, y: Tensor) -> Tensor:
         """A residual branch's output as it joins the stream (CompleteP's multiplier, when set)."""
@@ -276,7 +317,7 @@ class Decoder(nn.Module):
         """tokens (B, T) -> the final norm's output (B, T, C) and each MoE layer's router statistics."""
         start = cache[0].length if cache else 0
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rope_theta)
+        rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rope_theta, self.cfg.rope_scaling)
         x = self.embed_tokens(tokens)  # (B, T, C)
         stats: list[RouterStats] = []
         for i, layer in enumerate(self.layers):
