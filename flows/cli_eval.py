@@ -16,7 +16,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from flows.stages.runs import load_model
 
     recipe = load_recipe(args.recipe, args.set)
-    refs = [load_model(run) for run in args.runs]
+    refs = [load_model(run, recipe.output_dir) for run in args.runs]
     names = args.names.split(",") if args.names else None
     report = run_eval(recipe.eval_spec(), refs, names, sft_heldout=args.sft_heldout)
     print((Path(report.path) / "report.md").read_text().split("\n## Models")[0])

@@ -17,7 +17,7 @@ def cmd_stage(name: str, args: argparse.Namespace) -> int:
     stage = STAGES[name]
     workers = [f"parallel.world_size={args.workers}"] if args.workers else []
     recipe = load_recipe(args.recipe, [*args.set, *workers])  # validated with the worker count it runs with
-    given = stage.given_from(args)
+    given = stage.given_from(args, recipe.output_dir)
     with bar_runner() as run:
         made = resolve(name, recipe, run, given)
     reports = made.summary()["reports"]

@@ -181,9 +181,9 @@ def stage_flow(stage: StageDef[Any]) -> Flow[..., dict[str, Any]]:
     """The stage's flow: the stage and what it needs, each a task; returns the stage's summary."""
 
     def run(params: RecipeParams) -> dict[str, Any]:
-        return registry.resolve(
-            stage.name, params.load(), PrefectRunner(), stage.given_from(params)
-        ).summary()
+        recipe = params.load()
+        given = stage.given_from(params, recipe.output_dir)
+        return registry.resolve(stage.name, recipe, PrefectRunner(), given).summary()
 
     return generated(run, f"{stage.name}_flow", stage.name, stage.help, stage_params(stage))
 

@@ -48,7 +48,7 @@ class Given:
 
     flag: str
     role: str
-    load: Callable[[Any], Any]  # a directory (or URI), or a list of them when `many`
+    load: Callable[[Any, Any], Any]  # (a directory or URI, or a list of them when `many`; the output root)
     help: str
     many: bool = False
 
@@ -85,11 +85,14 @@ class StageDef(Generic[A]):
     flow: bool = True  # a Prefect flow and deployment of its own (helper steps: False)
     tags: tuple[str, ...] = ()  # extra deployment tags (`gpu` for training stages)
 
-    def given_from(self, source: Any) -> dict[str, Any]:
+    def given_from(self, source: Any, output_dir: Any) -> dict[str, Any]:
         """The finished run the user gave (`--base DIR` on `source`, the parsed flags or the flow's parameters),
-        loaded under its role; nothing when the stage takes none or none was given."""
+        loaded under its role (a Hugging Face model directory imported under `output_dir` first); nothing when the
+        stage takes none or none was given."""
         value = getattr(source, self.given.flag, None) if self.given is not None else None
-        return {self.given.role: self.given.load(value)} if self.given is not None and value else {}
+        if self.given is None or not value:
+            return {}
+        return {self.given.role: self.given.load(value, output_dir)}
 
     @property
     def cli(self) -> str:

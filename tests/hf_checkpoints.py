@@ -47,7 +47,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "llama-untied": ("Llama", {"tie_word_embeddings": False}),
     "mistral": ("Mistral", {"sliding_window": 8, "tie_word_embeddings": False}),
-    "qwen2": ("Qwen2", {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
+    "qwen2": (
+        "Qwen2",
+        {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    ),
     "qwen3": ("Qwen3", {"head_dim": 24, "tie_word_embeddings": True}),
     "olmo2": ("Olmo2", {"tie_word_embeddings": False}),
     "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 40}),

@@ -1,5 +1,6 @@
 """Finished runs: those a user gives instead of having a stage build them (`--base DIR`, `--teacher DIR`,
-`eval RUN ...`), each loaded or refused in one line naming the fix; and how a trained run is described."""
+`eval RUN ...`), each loaded or refused in one line naming the fix; a Hugging Face model directory is imported as
+a run first (`training/stages/imported.py`); and how a trained run is described."""
 
 from __future__ import annotations
 
@@ -15,15 +16,25 @@ if TYPE_CHECKING:
     from training.stages.lifecycle import TrainedModel
 
 
-def load_model(run_dir: str | Path) -> TrainedModel:
-    """A finished, intact training run by directory; one line naming the fix when it is missing, unfinished or
-    damaged. An object-store URI of a run is pulled to this node first."""
+def load_model(run_dir: str | Path, output_dir: str | Path) -> TrainedModel:
+    """A finished, intact training run by directory, or a Hugging Face model directory imported as one under
+    `output_dir`; one line naming the fix when it is missing, unfinished, damaged or not representable. An
+    object-store URI of a run is pulled to this node first."""
+    from training.stages.imported import is_hf_directory, run_import
     from training.stages.lifecycle import TrainedModel
 
+    if not is_remote(run_dir) and Path(run_dir).is_file() and Path(run_dir).suffix == ".gguf":
+        raise ConfigError(
+            f"{run_dir}: a GGUF file is llama.cpp's quantised inference format, not a checkpoint lmforge trains; "
+            "give the Hugging Face model directory it was converted from (config.json + *.safetensors)"
+        )
     if not is_remote(run_dir) and not Path(run_dir).is_dir():
         raise ConfigError(
-            f"{run_dir}: no such run directory; give a training run's directory (outputs/<stage>/<name>-<hash>)"
+            f"{run_dir}: no such run directory; give a training run's directory (outputs/<stage>/<name>-<hash>) "
+            "or a Hugging Face model directory"
         )
+    if not is_remote(run_dir) and is_hf_directory(run_dir):
+        return run_import(run_dir, output_dir)
     if not is_remote(run_dir) and (Path(run_dir) / VARIANT_FILE).is_file():
         raise ConfigError(
             f"{run_dir} is a finished compressed variant, not a training run: give a training run's directory "
@@ -33,18 +44,22 @@ def load_model(run_dir: str | Path) -> TrainedModel:
     return TrainedModel.load(run_dir)
 
 
-def load_models(run_dirs: Sequence[str]) -> list[tuple[str, TrainedModel]]:
-    """Finished runs, each named by its kind (the evaluation's columns)."""
-    models = [load_model(run) for run in run_dirs]
+def load_models(run_dirs: Sequence[str], output_dir: str | Path) -> list[tuple[str, TrainedModel]]:
+    """Finished runs (or Hugging Face directories), each named by its kind (the evaluation's columns)."""
+    models = [load_model(run, output_dir) for run in run_dirs]
     return [(model.kind, model) for model in models]
 
 
-def load_teacher(source: str | Path) -> Any:
-    """A distillation teacher: a finished lmforge run directory, or a Hugging Face export directory."""
+def load_teacher(source: str | Path, output_dir: str | Path) -> Any:
+    """A distillation teacher: a finished lmforge run directory, or a Hugging Face model directory (checked as an
+    import is, read in place)."""
     from training.stages.distill import teacher_from_export
+    from training.stages.imported import check_source, is_hf_directory
 
     if (Path(source) / "manifest.json").is_file():
-        return load_model(source)
+        return load_model(source, output_dir)
+    if is_hf_directory(source):
+        check_source(Path(source))
     return teacher_from_export(source)
 
 

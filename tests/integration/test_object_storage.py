@@ -81,7 +81,7 @@ def straight(s3) -> Straight:
     return Straight(run_dir, losses(run_dir))
 
 
-def test_pipeline_on_object_storage(s3, straight: Straight) -> None:
+def test_pipeline_on_object_storage(s3, straight: Straight, tmp_path: Path) -> None:
     from data_pipeline.tokenize import run_tokenize
     from evaluation.report import run_eval
     from flows.recipe import load_recipe
@@ -120,7 +120,9 @@ def test_pipeline_on_object_storage(s3, straight: Straight) -> None:
     )
     assert manifest["path"].startswith(uri)  # remote manifests name the store, not a node's disk
     assert (Path(report.path) / "report.md").is_file()
-    assert load_model(lora.uri).key == lora.key  # `lmforge eval <recipe> s3://...` takes runs by URI
+    assert (
+        load_model(lora.uri, tmp_path).key == lora.key
+    )  # `lmforge eval <recipe> s3://...` takes runs by URI
 
 
 def test_killed_run_resumes_on_another_node_exactly(s3, straight: Straight, tmp_path: Path) -> None:

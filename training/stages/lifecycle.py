@@ -47,7 +47,16 @@ class TrainedModel(Artifact):
     directory; `kind` says what the model is."""
 
     kind: Literal[
-        "pretrain", "sft-full", "lora", "dpo-full", "dpo-lora", "distill", "reward", "rl-full", "rl-lora"
+        "pretrain",
+        "imported",
+        "sft-full",
+        "lora",
+        "dpo-full",
+        "dpo-lora",
+        "distill",
+        "reward",
+        "rl-full",
+        "rl-lora",
     ]
     checkpoint: str
     hf_export: str
@@ -61,6 +70,9 @@ class TrainedModel(Artifact):
     adapter: str | None = None  # LoRA: the PEFT adapter directory (loads on the base's export)
     base_run_dir: str | None = None  # fine-tuning: the run it started from
     summary: dict[str, float] = {}  # stage-specific headline numbers (e.g. held-out loss before and after)
+    # the Hugging Face directory its lineage started from, with its config and weight digests (`imported` runs and
+    # every run tuned from one): the `source_model` tag of its MLflow run and registered versions
+    source_model: str | None = None
 
     @property
     def run_dir(self) -> str:
@@ -69,6 +81,8 @@ class TrainedModel(Artifact):
     def damage(self) -> str | None:
         """A damaged final checkpoint or export (missing, truncated or altered files), else None."""
         checkpoint = Path(self.checkpoint)
+        if self.kind == "imported":  # its weights are its export's (`training/stages/imported.py`)
+            return export_damage(self.hf_export)
         if not (checkpoint / ckpt.COMPLETE).is_file():
             return f"{checkpoint}: final checkpoint missing"
         return ckpt.damage(checkpoint) or export_damage(self.hf_export)
@@ -153,8 +167,13 @@ def trained_model(
         max_abs_logit_diff=verification["max_abs_logit_diff"],
         step=step,
         mlflow_run_id=job.run.run_id,
-        **fields,
+        **({"source_model": source_model(job.inputs)} | fields),
     )
+
+
+def source_model(inputs: Mapping[str, Any]) -> str | None:
+    """The Hugging Face directory the inputs' lineage started from (see `TrainedModel.source_model`), if any."""
+    return next((m.source_model for m in inputs.values() if getattr(m, "source_model", None)), None)
 
 
 def training_step(
@@ -198,6 +217,7 @@ def _train(
         "lmforge.config_digest": key,
         "lmforge.run_dir": str(run_dir.resolve()),
         **stage.tags(spec, inputs),
+        **({"source_model": origin} if (origin := source_model(inputs)) else {}),
     }
     name = f"{stage.name}-{stage.run_name(spec)}"
     with tracked_run(spec.tracking, spec.output_dir, name, tags, previous) as run:

@@ -32,7 +32,7 @@ from infra.tracking import Tracker
 from training.config import SFTSpec
 from training.loop import Batches
 from training.model.config import ModelConfig
-from training.model.hf_interop import load_hf_config
+from training.model.hf_interop import load_export, load_hf_config
 from training.model.lora import apply_lora
 from training.model.sampling import greedy_each
 from training.model.transformer import Transformer
@@ -57,10 +57,12 @@ def base_config(base: TrainedModel) -> ModelConfig:
 
 
 def base_model(base: TrainedModel) -> Transformer:
-    """The pretrained model in fp32 from its final checkpoint."""
+    """The pretrained model in fp32 from its final checkpoint (an imported one's: its export)."""
     from training.parallel import fp32_state_dict
 
     cfg = base_config(base)
+    if base.kind == "imported":
+        return load_export(base.hf_export).train()
     model = Transformer(cfg, seed=None)
     model.load_state_dict(fp32_state_dict(Path(base.checkpoint), cfg.tie_embeddings), strict=True)
     return model
