@@ -53,7 +53,7 @@ def register_final(
         gates,
         report.path,
         "\n".join(lines),
-        scaling_tags(scaling),
+        scaling_tags(scaling) | ({"source_model": ref.source_model} if ref.source_model else {}),
         skipped,
     )
 

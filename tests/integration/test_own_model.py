@@ -120,3 +120,25 @@ def test_a_changed_checkpoint_is_a_new_import(own, tmp_path: Path) -> None:
     weights["model.norm.weight"] = weights["model.norm.weight"] + 1
     save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
     assert run_import(copy, tmp_path).key != first.key
+
+
+def test_a_registered_version_names_its_source(own, capsys) -> None:
+    import mlflow
+
+    from flows.recipe import load_recipe
+    from infra.tracking import tracking_uri
+
+    source, sets, tuned = own
+    assert main(["eval", "smoke", str(source), tuned.path, "--register", *sets]) == 0
+    recipe = load_recipe("smoke", sets[1::2])
+    client = mlflow.MlflowClient(tracking_uri(recipe.tracking, Path(recipe.output_dir)))
+    name = recipe.eval.register_name or "lmforge-smoke"
+    (version,) = client.search_model_versions(f"name='{name}'")
+    assert str(source.resolve()) in version.tags["source_model"]
+
+
+def test_compress_takes_the_directory(own, capsys) -> None:
+    source, sets, _ = own
+    assert main(["compress", "smoke", "--base", str(source), *sets]) == 0
+    out = capsys.readouterr().out
+    assert "# Compression frontier" in out and "int4-g4" in out
