@@ -43,7 +43,9 @@ def refused(directory: Path | str, capsys: pytest.CaptureFixture[str]) -> str:
 def test_sharded_weights_load_tensor_by_tensor(tmp_path: Path) -> None:
     whole = load_export(write_checkpoint("qwen2_moe", tmp_path / "whole"))
     sharded = write_checkpoint("qwen2_moe", tmp_path / "sharded", max_shard_size="20KB")
-    assert len(list(sharded.glob("*.safetensors"))) > 3 and (sharded / "model.safetensors.index.json").is_file()
+    assert (
+        len(list(sharded.glob("*.safetensors"))) > 3 and (sharded / "model.safetensors.index.json").is_file()
+    )
     tokens = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(load_export(sharded)(tokens).logits, whole(tokens).logits, rtol=0, atol=0)
@@ -67,7 +69,11 @@ def test_remote_code_is_refused(qwen2: Path, tmp_path: Path, capsys) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "named"),
     [
-        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "'yarn' is not modelled"),
+        (
+            "rope_parameters",
+            {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+            "'yarn' is not modelled",
+        ),
         ("use_sliding_window", True, "use_sliding_window"),
         ("hidden_act", "gelu", "hidden_act"),
     ],
