@@ -20,14 +20,12 @@ def load_model(run_dir: str | Path, output_dir: str | Path) -> TrainedModel:
     """A finished, intact training run by directory, or a Hugging Face model directory imported as one under
     `output_dir`; one line naming the fix when it is missing, unfinished, damaged or not representable. An
     object-store URI of a run is pulled to this node first."""
+    from training.model.checkpoint_files import refuse_gguf
     from training.stages.imported import is_hf_directory, run_import
     from training.stages.lifecycle import TrainedModel
 
-    if not is_remote(run_dir) and Path(run_dir).is_file() and Path(run_dir).suffix == ".gguf":
-        raise ConfigError(
-            f"{run_dir}: a GGUF file is llama.cpp's quantised inference format, not a checkpoint lmforge trains; "
-            "give the Hugging Face model directory it was converted from (config.json + *.safetensors)"
-        )
+    if not is_remote(run_dir):
+        refuse_gguf(Path(run_dir))
     if not is_remote(run_dir) and not Path(run_dir).is_dir():
         raise ConfigError(
             f"{run_dir}: no such run directory; give a training run's directory (outputs/<stage>/<name>-<hash>) "

@@ -34,14 +34,19 @@ CONVERT = (
 )
 
 
+def refuse_gguf(path: Path) -> None:
+    """A GGUF file (or a directory of them) refused, naming what to give instead."""
+    if path.is_file() and path.suffix == ".gguf" or path.is_dir() and list(path.glob("*.gguf")):
+        raise DataError(
+            f"{path}: a GGUF file is llama.cpp's quantised inference format, not a checkpoint lmforge trains; "
+            "give the Hugging Face model directory it was converted from (config.json + *.safetensors)"
+        )
+
+
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files holding the model's weights: the index's shards (each must exist) or the directory's
     `*.safetensors`; a refusal naming the fix for pickled or GGUF weights, missing shards or no weights."""
-    if directory.is_file() and directory.suffix == ".gguf" or list(directory.glob("*.gguf")):
-        raise DataError(
-            f"{directory}: a GGUF file is llama.cpp's quantised inference format, not a checkpoint lmforge trains; "
-            "give the Hugging Face model directory it was converted from (config.json + *.safetensors)"
-        )
+    refuse_gguf(directory)
     index = directory / INDEX
     if index.is_file():
         try:
