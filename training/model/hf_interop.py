@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from data_pipeline.sources import DataError
 from training.model.checkpoint_files import read_state_dict
 from training.model.config import ModelConfig
-from training.model.families import family_for, hf_config_kwargs, model_config_from_hf
+from training.model.families import FAMILIES, hf_config_kwargs, model_config_from_hf
 from training.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ def build_hf_model(cfg: ModelConfig, head: str = "CausalLM", **config: Any) -> n
 
     if not cfg.has_llama_layout:
         raise ValueError(no_llama_layout(cfg))
-    family = family_for(cfg)
-    _, kwargs = hf_config_kwargs(cfg)
+    model_type, kwargs = hf_config_kwargs(cfg)
+    family = FAMILIES[model_type]
     hf_config = getattr(transformers, f"{family.prefix}Config")(**kwargs, **config)
     hf_config._attn_implementation = "eager"
     return getattr(transformers, f"{family.prefix}For{head}")(hf_config)

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from data_pipeline.sources import DataError
-from data_pipeline.tokenizer import describe, file_digest
+from data_pipeline.tokenizer import TokenizerRef, describe, file_digest
 from infra.steps import Step, run_step
 from training.model.checkpoint_files import weight_files
 from training.model.export import export_hf
@@ -47,8 +47,9 @@ def weights_digest(source: Path) -> str:
     return digest.hexdigest()
 
 
-def check_source(source: Path) -> None:
-    """Refuse, before anything runs, what lmforge cannot represent or read; one line each."""
+def check_source(source: Path) -> TokenizerRef:
+    """Refuse, before anything runs, what lmforge cannot represent or read (one line each); the source's
+    tokenizer."""
     try:
         cfg = load_hf_config(source)
     except UnsupportedModel as error:
@@ -60,16 +61,17 @@ def check_source(source: Path) -> None:
             f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding {cfg.vocab_size} rows; "
             "give the tokenizer the model was trained with"
         )
+    return tokenizer
 
 
 def run_import(source: str | Path, root: str | Path) -> TrainedModel:
     """The Hugging Face directory `source` as a finished `imported` run under `<root>/import/`."""
     source = Path(source).resolve()
-    check_source(source)
+    tokenizer = check_source(source)
     config = {
         "config_sha256": file_digest(source / "config.json"),
         "weights_sha256": weights_digest(source),
-        "tokenizer_sha256": describe(source).digest,
+        "tokenizer_sha256": tokenizer.digest,
     }
     step = Step("import", source.name, IMPORT_VERSION, config, TrainedModel)
     lineage = f"{source} (config sha256:{config['config_sha256'][:12]}, weights sha256:{config['weights_sha256'][:12]})"
