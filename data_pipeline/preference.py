@@ -1,4 +1,5 @@
-"""Preference pairs for DPO: (prompt, chosen, rejected), rendered with the chat template, loss on the response.
+"""Preference pairs for DPO: (prompt, chosen, rejected), rendered in the tokenizer's chat format, loss on the
+response.
 
 Sources: `derived`, made offline from the SFT conversations (chosen = the reference answer; rejected = another
 question's answer, `other_answer`, or the reference corrupted: `shuffled`, `swapped`, `garbled`; all drawn from
@@ -6,9 +7,9 @@ the seed, one mode or several in turn), or
 a JSONL / Parquet file of `{"prompt", "chosen", "rejected"}` records, the prompt a string (one user turn) or a
 list of chat turns that ends before the answer.
 
-Each side is one row: the prompt's turns, `<|assistant|>\\n`, the response and its end-of-turn marker, with the
-loss mask on the response and marker only (earlier assistant turns carry none). Pairs whose sides are equal or
-empty are dropped and counted; a side longer than the sequence length has its response cut (counted), and a
+Each side is one row in the tokenizer's chat format (`data_pipeline/chat.py`: its template, or lmforge's layout):
+the prompt's turns, the assistant's header, the response and its end-of-turn marker, with the loss mask on the
+response and marker only (earlier assistant turns carry none). Pairs whose sides are equal or empty are dropped and counted; a side longer than the sequence length has its response cut (counted), and a
 pair whose prompt alone fills the context is dropped (counted). Stored like the SFT examples: Arrow per split,
 the held-out pairs as JSONL, a manifest with the tokenizer digest.
 """
@@ -28,9 +29,10 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from data_pipeline.chat import ChatFormat, Messages, chat_format
 from data_pipeline.config import ROLES, SPECIAL_TOKENS, PreferenceConfig
 from data_pipeline.loader import IGNORE_INDEX, EpochSampler, SampledLoader
-from data_pipeline.sft import Messages, padded_rows, read_rows, render, write_rows
+from data_pipeline.sft import padded_rows, read_rows, write_rows
 from data_pipeline.sources import DataError, split_of
 from data_pipeline.tokenizer import TokenizerRef
 from infra.steps import Artifact, Step, run_step
@@ -181,11 +183,13 @@ def read_pairs(path: Path) -> list[Pair]:
 # ---- encoding ---------------------------------------------------------------------------------------------
 
 
-def encode_side(tokenizer: Tokenizer, prompt: Messages, response: str) -> tuple[np.ndarray, np.ndarray]:
+def encode_side(
+    tokenizer: Tokenizer, fmt: ChatFormat, prompt: Messages, response: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of the prompt turns plus the response turn, and a 0/1 mask on the response and its marker."""
-    text, spans = render([*prompt, {"role": "assistant", "content": response}])
+    text, spans = fmt.render([*prompt, {"role": "assistant", "content": response}])
     start, end = spans[-1]
-    encoding = tokenizer.encode(text[:end])
+    encoding = tokenizer.encode(text[:end], add_special_tokens=False)
     starts = np.array([s for s, _ in encoding.offsets], dtype=np.int64)
     return np.array(encoding.ids, dtype=np.int32), (starts >= start).astype(np.uint8)
 
@@ -224,6 +228,7 @@ def run_preference_data(
         "pairs": digest_of([p.as_json() for p in pairs]),
         "tokenizer": tok.digest,
         "seq_len": seq_len,
+        **chat_format(tok).key,
     }
     step = Step("preference_data", "pairs", PREFERENCE_FORMAT_VERSION, config, PreferenceManifest)
     return run_step(root, step, lambda out, _key: _encode_pairs(cfg, pairs, tok, seq_len, out))
@@ -232,7 +237,7 @@ def run_preference_data(
 def _encode_pairs(
     cfg: PreferenceConfig, pairs: list[Pair], tok: TokenizerRef, seq_len: int, out: Path
 ) -> PreferenceManifest:
-    tokenizer = tok.load()
+    tokenizer, fmt = tok.load(), chat_format(tok)
     counts = dict.fromkeys(("dropped_identical", "dropped_empty", "dropped_too_long", "truncated"), 0)
     splits: dict[str, list[list[np.ndarray]]] = {"train": [], "heldout": []}
     heldout: list[Pair] = []
@@ -243,7 +248,9 @@ def _encode_pairs(
         if pair.chosen.strip() == pair.rejected.strip():
             counts["dropped_identical"] += 1
             continue
-        sides = [encode_side(tokenizer, pair.prompt, response) for response in (pair.chosen, pair.rejected)]
+        sides = [
+            encode_side(tokenizer, fmt, pair.prompt, response) for response in (pair.chosen, pair.rejected)
+        ]
         fitted = [fit_to_context(ids, mask, seq_len) for ids, mask in sides]
         if None in fitted:
             counts["dropped_too_long"] += 1

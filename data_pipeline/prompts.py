@@ -1,5 +1,5 @@
-"""Prompts for reinforcement learning: the turns before an answer, rendered with the chat template up to the
-assistant's header (where the policy starts writing), with what a verifiable reward needs.
+"""Prompts for reinforcement learning: the turns before an answer, rendered in the tokenizer's chat format
+(`data_pipeline/chat.py`) up to the assistant's header (where the policy starts writing), with what a verifiable reward needs.
 
 Sources: `sft` (the SFT conversations' prompts), `digits` (the built-in toy task: requests for numbers, which a
 tiny model learns to answer in digits against the `regex` reward within a few hundred CPU steps), or a JSONL
@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from data_pipeline.config import END_OF_TURN, ROLES, SPECIAL_TOKENS, PromptsConfig
+from data_pipeline.chat import Messages, chat_format
+from data_pipeline.config import ROLES, SPECIAL_TOKENS, PromptsConfig
 from data_pipeline.loader import EpochSampler, SampledLoader
-from data_pipeline.sft import Messages, render
 from data_pipeline.sources import DataError, split_of
 from data_pipeline.tokenizer import TokenizerRef
 from infra.steps import Artifact, Step, run_step
@@ -27,7 +27,6 @@ from infra.storage import MANIFEST, atomic_write_bytes, digest_of
 
 log = logging.getLogger(__name__)
 PROMPTS_FORMAT_VERSION = 1
-ASSISTANT_HEADER = "<|assistant|>\n"
 
 
 class Prompt(NamedTuple):
@@ -127,11 +126,6 @@ def prompts_of(cfg: PromptsConfig, conversations: list[Messages]) -> list[Prompt
     return prompts[: cfg.max_prompts]
 
 
-def prompt_text(messages: Messages) -> str:
-    """The chat-template text of the turns, up to and including the assistant's header."""
-    return render(messages)[0] + ASSISTANT_HEADER
-
-
 # ---- encoding ---------------------------------------------------------------------------------------------
 
 
@@ -167,6 +161,7 @@ def run_prompt_data(
         "prompts": digest_of([p.as_json() for p in prompts]),
         "tokenizer": tok.digest,
         "max_prompt_tokens": max_prompt_tokens,
+        **chat_format(tok).key,
     }
     step = Step("rl_prompts", "prompts", PROMPTS_FORMAT_VERSION, config, PromptManifest)
     return run_step(root, step, lambda out, _key: _encode(cfg, prompts, tok, max_prompt_tokens, out))
@@ -175,11 +170,11 @@ def run_prompt_data(
 def _encode(
     cfg: PromptsConfig, prompts: list[Prompt], tok: TokenizerRef, max_prompt_tokens: int, out: Path
 ) -> PromptManifest:
-    tokenizer = tok.load()
+    tokenizer, fmt = tok.load(), chat_format(tok)
     splits: dict[str, list[str]] = {"train": [], "heldout": []}
     too_long = 0
     for prompt in prompts:
-        ids = tokenizer.encode(prompt_text(prompt.messages)).ids
+        ids = tokenizer.encode(fmt.prompt(prompt.messages), add_special_tokens=False).ids
         if len(ids) > max_prompt_tokens:
             too_long += 1
             continue
@@ -205,7 +200,7 @@ def _encode(
         path=str(out.resolve()),
         tokenizer_digest=tok.digest,
         pad_id=tok.pad_id,
-        end_of_turn_id=tokenizer.token_to_id(END_OF_TURN),
+        end_of_turn_id=tokenizer.token_to_id(fmt.end_of_turn),
         max_prompt_tokens=max_prompt_tokens,
         counts={"dropped_too_long": too_long, **{split: len(lines) for split, lines in splits.items()}},
         config=cfg.model_dump(mode="json"),

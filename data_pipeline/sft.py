@@ -1,4 +1,5 @@
-"""Supervised fine-tuning examples: chat turns rendered with the tokenizer's template, loss on assistant tokens.
+"""Supervised fine-tuning examples: chat turns rendered in the tokenizer's chat format (`data_pipeline/chat.py`:
+its template, or lmforge's layout), loss on assistant tokens.
 
 Sources: JSONL with `{"messages": [{"role", "content"}, ...]}` or `{"prompt", "response"}`, or `builtin`:
 questions about the standard library corpus ("What does `json.dumps` do?" answered by the first sentence of its
@@ -24,7 +25,8 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from data_pipeline.config import END_OF_TURN, ROLES, SPECIAL_TOKENS, SFTDataConfig
+from data_pipeline.chat import ChatFormat, Messages, chat_format
+from data_pipeline.config import ROLES, SPECIAL_TOKENS, SFTDataConfig
 from data_pipeline.loader import IGNORE_INDEX, Batch, EpochSampler, SampledLoader
 from data_pipeline.sources import DataError, ReadStats, decode_text, split_of, stdlib_files, stdlib_root
 from data_pipeline.tokenizer import TokenizerRef
@@ -32,7 +34,6 @@ from infra.steps import Artifact, Step, run_step
 from infra.storage import MANIFEST, atomic_write_bytes, digest_of
 
 SFT_FORMAT_VERSION = 1
-Messages = list[dict[str, str]]
 
 
 def normalize_example(record: Any, where: str) -> Messages:
@@ -124,23 +125,13 @@ def _stdlib_answers(max_examples: int | None) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def render(messages: Messages) -> tuple[str, list[tuple[int, int]]]:
-    """The chat-template text (equal to `CHAT_TEMPLATE`'s output) and the character spans that carry loss."""
-    text, spans = "", []
-    for turn in messages:
-        text += f"<|{turn['role']}|>\n"
-        start = len(text)
-        text += turn["content"] + END_OF_TURN
-        if turn["role"] == "assistant":
-            spans.append((start, len(text)))
-        text += "\n"
-    return text, spans
-
-
-def encode_example(tokenizer: Tokenizer, messages: Messages) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and a 0/1 loss mask: 1 on assistant contents and their end-of-turn marker."""
-    text, spans = render(messages)
-    encoding = tokenizer.encode(text)
+def encode_example(
+    tokenizer: Tokenizer, fmt: ChatFormat, messages: Messages
+) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and a 0/1 loss mask: 1 on assistant contents and their end-of-turn token. The text is the
+    format's whole rendering (no special tokens added around it: a template writes its own)."""
+    text, spans = fmt.render(messages)
+    encoding = tokenizer.encode(text, add_special_tokens=False)
     starts = np.array([start for start, _ in encoding.offsets], dtype=np.int64)
     mask = np.zeros(len(starts), dtype=np.uint8)
     for lo, hi in spans:
@@ -211,6 +202,7 @@ def run_sft_data(cfg: SFTDataConfig, tok: TokenizerRef, seq_len: int, root: str 
         "examples": digest_of(examples),
         "tokenizer": tok.digest,
         "seq_len": seq_len,
+        **chat_format(tok).key,
     }
     step = Step("sft_data", "sft", SFT_FORMAT_VERSION, config, SFTManifest)
     return run_step(root, step, lambda out, _key: _encode_sft(cfg, tok, seq_len, examples, out))
@@ -219,12 +211,12 @@ def run_sft_data(cfg: SFTDataConfig, tok: TokenizerRef, seq_len: int, root: str 
 def _encode_sft(
     cfg: SFTDataConfig, tok: TokenizerRef, seq_len: int, examples: list[Messages], out: Path
 ) -> SFTManifest:
-    tokenizer = tok.load()
+    tokenizer, fmt = tok.load(), chat_format(tok)
     splits: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "heldout": []}
     heldout_messages: list[Messages] = []
     counts = {"dropped_too_long": 0, "truncated": 0}
     for messages in examples:
-        ids, mask = encode_example(tokenizer, messages)
+        ids, mask = encode_example(tokenizer, fmt, messages)
         if len(ids) > seq_len + 1:
             if cfg.overflow == "drop" or not mask[: seq_len + 1][1:].any():
                 counts["dropped_too_long"] += 1

@@ -9,6 +9,7 @@ tokenizer is refused by a model or loader expecting another.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -105,25 +106,46 @@ def file_digest(path: Path) -> str:
 
 
 def describe(path: Path) -> TokenizerRef:
-    """A TokenizerRef for a directory holding `tokenizer.json` (or the file itself)."""
+    """A TokenizerRef for a directory holding `tokenizer.json` (or the file itself). End-of-text and padding are
+    the ones `tokenizer_config.json` names where the directory has one (a Hugging Face model's tokenizer: padding
+    falls back to end-of-text, as transformers' users set it), lmforge's `<|endoftext|>` and `<|pad|>` otherwise."""
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise DataError(
             f"{path}: no tokenizer.json; give data.tokenizer.path a tokenizer.json or its directory"
         )
     tokenizer = Tokenizer.from_file(str(file))
-    missing = [t for t in (EOS, PAD) if tokenizer.token_to_id(t) is None]
+    named = named_specials(file.parent)
+    eos = named.get("eos_token") or EOS
+    pad = named.get("pad_token") or (PAD if tokenizer.token_to_id(PAD) is not None or not named else eos)
+    missing = [t for t in (eos, pad) if tokenizer.token_to_id(t) is None]
     if missing:
         raise DataError(
-            f"{file}: lacks special tokens {missing}; lmforge needs {EOS} and {PAD} in the vocabulary"
+            f"{file}: lacks special tokens {missing}; lmforge needs an end-of-text and a padding token in the "
+            f"vocabulary ({EOS} and {PAD}, or the ones tokenizer_config.json names)"
         )
     return TokenizerRef(
         path=str(file.parent.resolve()),
         digest=file_digest(file),
         vocab_size=tokenizer.get_vocab_size(),
-        eos_id=tokenizer.token_to_id(EOS),
-        pad_id=tokenizer.token_to_id(PAD),
+        eos_id=tokenizer.token_to_id(eos),
+        pad_id=tokenizer.token_to_id(pad),
     )
+
+
+def named_specials(directory: Path) -> dict[str, str]:
+    """The end-of-text and padding tokens `tokenizer_config.json` names (plain strings or AddedToken records)."""
+    settings = directory / "tokenizer_config.json"
+    if not settings.is_file():
+        return {}
+    config = json.loads(settings.read_text())
+    named = {}
+    for field in ("eos_token", "pad_token"):
+        value = config.get(field)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            named[field] = value
+    return named
 
 
 def _sample(corpus: Corpus, max_bytes: int) -> Iterator[str]:

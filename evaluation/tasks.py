@@ -18,11 +18,12 @@ import hashlib
 import json
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
+from data_pipeline.chat import ChatFormat, Messages, chat_format
 from data_pipeline.config import END_OF_TURN
 from data_pipeline.sources import DataError, stdlib_files, stdlib_root
 from evaluation.model_io import EvalModel
@@ -38,6 +39,15 @@ class Item:
     answer: int = 0
     target: str = ""
     stop: tuple[str, ...] = ("\n",)
+    turns: Messages | None = None  # a chat item's conversation: each model reads it in its own chat format
+
+
+def in_chat_format(item: Item, em: EvalModel) -> Item:
+    """A chat item's prompt and stop in the model's chat format (its template's, or lmforge's layout)."""
+    if item.turns is None:
+        return item
+    fmt = chat_format(em.tokenizer_ref)
+    return replace(item, prompt=fmt.prompt(item.turns), stop=(fmt.end_of_turn,))
 
 
 @dataclass(frozen=True)
@@ -161,13 +171,12 @@ def stdlib_import_task(n_items: int, seed: int = 0, n_choices: int = 4) -> Task:
 
 def sft_heldout_task(heldout_jsonl: str | Path, n_items: int) -> Task:
     """The held-out SFT conversations: the chat prompt, the reference answer as the exact-match target."""
-    from data_pipeline.sft import render
-
     items = []
     for line in Path(heldout_jsonl).read_text().splitlines()[:n_items]:
         messages = json.loads(line)["messages"]
-        prompt = render(messages[:-1])[0] + "<|assistant|>\n"
-        items.append(Item(prompt, target=messages[-1]["content"], stop=(END_OF_TURN,)))
+        own = ChatFormat("", None, END_OF_TURN)
+        prompt, turns = own.prompt(messages[:-1]), messages[:-1]
+        items.append(Item(prompt, target=messages[-1]["content"], stop=(END_OF_TURN,), turns=turns))
     return Task("sft-heldout-em", "gen", items)
 
 
@@ -204,9 +213,10 @@ def run_task(em: EvalModel, task: Task, batch_size: int, max_new_tokens: int) ->
         )
         return {"acc": acc / n, "acc_norm": acc_norm / n, "n": n, "truncated": truncated}
     hits = truncated = 0
-    requests = [_split_encode(em, item.prompt, item.target + item.stop[0]) for item in task.items]
+    items = [in_chat_format(item, em) for item in task.items]
+    requests = [_split_encode(em, item.prompt, item.target + item.stop[0]) for item in items]
     # a special token (e.g. end of turn) ends generation; the items that share one are generated in batches
-    stops = [em.tokenizer.token_to_id(item.stop[0]) for item in task.items]
+    stops = [em.tokenizer.token_to_id(item.stop[0]) for item in items]
     stops = [em.tokenizer_ref.eos_id if stop is None else stop for stop in stops]
     generated: list[tuple[list[int], bool]] = [([], False)] * len(task.items)
     for stop in dict.fromkeys(stops):
@@ -216,7 +226,7 @@ def run_task(em: EvalModel, task: Task, batch_size: int, max_new_tokens: int) ->
             rows, generate_greedy(em.model, prompts, max_new_tokens, stop, batch_size), strict=True
         ):
             generated[i] = out
-    for item, (ids, cut) in zip(task.items, generated, strict=True):
+    for item, (ids, cut) in zip(items, generated, strict=True):
         text = em.tokenizer.decode(ids)
         for stop in item.stop:
             text = text.split(stop)[0]

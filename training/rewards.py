@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from data_pipeline.prompts import Prompt, prompt_text
+from data_pipeline.prompts import Prompt
 from data_pipeline.sources import DataError
 from training.config import RewardTerm
 from training.model.reward import RewardModel, load_reward_model
@@ -35,12 +35,13 @@ CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)(?:```|$)", re.DOTALL)
 @dataclass(frozen=True)
 class Sample:
     """One completion of one prompt: the prompt, its ids, the completion's ids (with the end-of-turn marker
-    when it stopped) and its text (without it)."""
+    when it stopped), its text (without it) and the prompt's text as the policy saw it (in its chat format)."""
 
     prompt: Prompt
     prompt_ids: list[int]
     completion_ids: list[int]
     text: str
+    prompt_text: str
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def user_function(path: str) -> ScoreFn:
             f"rl.rewards: cannot import {path!r} ({type(error).__name__}: {error}); give module:function "
             f"importable from this environment, or one of {', '.join(BUILTIN)}"
         ) from None
-    return lambda samples: [float(function(prompt_text(s.prompt.messages), s.text)) for s in samples]
+    return lambda samples: [float(function(s.prompt_text, s.text)) for s in samples]
 
 
 def check_terms(terms: Sequence[RewardTerm], reward_model: str | None) -> None:

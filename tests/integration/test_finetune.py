@@ -157,8 +157,8 @@ def test_exact_match_is_what_transformers_generates(smoke_lora, base: tuple[Trai
     transformers generates: those must count, the others not."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from data_pipeline.chat import own_layout
     from data_pipeline.config import END_OF_TURN
-    from data_pipeline.sft import render
     from data_pipeline.tokenizer import describe
     from evaluation.model_io import load_for_eval
     from training.stages.sft import exact_match, heldout_examples
@@ -171,7 +171,7 @@ def test_exact_match_is_what_transformers_generates(smoke_lora, base: tuple[Trai
     end = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     answers = []
     for messages in heldout:
-        prompt = tokenizer(render(messages[:-1])[0] + "<|assistant|>\n", return_tensors="pt")["input_ids"]
+        prompt = tokenizer(own_layout(messages[:-1])[0] + "<|assistant|>\n", return_tensors="pt")["input_ids"]
         budget = len(tokenizer(messages[-1]["content"])["input_ids"]) + 4
         assert prompt.shape[1] + budget <= model.config.max_position_embeddings
         out = model.generate(
@@ -189,7 +189,7 @@ def test_exact_match_is_what_transformers_generates(smoke_lora, base: tuple[Trai
     expected = sum(a.strip() == m[-1]["content"].strip() for a, m in zip(answers, swapped, strict=True))
     assert expected >= half > 0
     ours = load_for_eval(lora, "lora").model
-    assert exact_match(ours, describe(Path(lora.hf_export)).load(), swapped) == expected / len(heldout)
+    assert exact_match(ours, describe(Path(lora.hf_export)), swapped) == expected / len(heldout)
     real = sum(a.strip() == m[-1]["content"].strip() for a, m in zip(answers, heldout, strict=True))
     assert lora.summary["sft/exact_match_after"] == real / len(heldout)
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_pipeline.chat import own_layout
 from data_pipeline.config import END_OF_TURN
 from data_pipeline.loader import IGNORE_INDEX, Batch
 from data_pipeline.preference import Pair, PreferenceLoader, derive_pairs
-from data_pipeline.sft import render, sft_examples
+from data_pipeline.sft import sft_examples
 from data_pipeline.sources import split_of
 from flows.stages.dpo import preference_data, reference_logps
 from training.config import PreferenceLoss
@@ -78,7 +79,7 @@ def dpo_setup(smoke_lora, smoke_base, tmp_path_factory):
     """24 short user-supplied pairs, the fine-tuned smoke model, and our 3-step full DPO run on them."""
     recipe, _ = smoke_base
     _, tuned = smoke_lora
-    conversations = [c for c in sft_examples(recipe.data.sft) if len(render(c)[0]) < 160][:24]
+    conversations = [c for c in sft_examples(recipe.data.sft) if len(own_layout(c)[0]) < 160][:24]
     pairs = [p for p in derive_pairs(conversations, "shuffled", seed=0) if p.chosen != p.rejected]
     path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
     path.write_text(
@@ -119,7 +120,7 @@ def trl_trainer(export: str, pairs: list[Pair], out: Path):
     tokenizer.eos_token = END_OF_TURN
     rows = [
         {
-            "prompt": render(p.prompt)[0] + "<|assistant|>\n",
+            "prompt": own_layout(p.prompt)[0] + "<|assistant|>\n",
             "chosen": p.chosen + END_OF_TURN,
             "rejected": p.rejected + END_OF_TURN,
         }

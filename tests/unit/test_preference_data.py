@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from data_pipeline.chat import chat_format
 from data_pipeline.config import PreferenceConfig
 from data_pipeline.loader import IGNORE_INDEX
 from data_pipeline.preference import (
@@ -85,7 +86,7 @@ def test_the_mask_covers_the_final_answer_only(tok: TokenizerRef) -> None:
         {"role": "assistant", "content": "Hello."},  # an earlier answer: context, no loss
         {"role": "user", "content": "Name a colour."},
     ]
-    ids, mask = encode_side(tokenizer, prompt, "Blue.")
+    ids, mask = encode_side(tokenizer, chat_format(tok), prompt, "Blue.")
     assert tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == "Blue.<|end|>"
     assert tokenizer.decode(ids.tolist(), skip_special_tokens=False).endswith("<|assistant|>\nBlue.<|end|>")
 

@@ -13,18 +13,20 @@ import numpy as np
 import pytest
 import torch
 
+from data_pipeline.chat import ChatFormat
 from data_pipeline.config import PromptsConfig
-from data_pipeline.prompts import Prompt, digit_prompts, prompt_text, prompts_of, read_prompts
+from data_pipeline.prompts import Prompt, digit_prompts, prompts_of, read_prompts
 from data_pipeline.sources import DataError
 from training.config import RewardTerm
 from training.rewards import Rewards, Sample, check_terms, code_of
 
+OWN = ChatFormat("", None, "<|end|>")  # lmforge's own layout
 ASK = Prompt([{"role": "user", "content": "Write a number."}])
 ADD = Prompt([{"role": "user", "content": "Write add(a, b)."}], tests="assert add(2, 3) == 5")
 
 
 def sample(text: str, prompt: Prompt = ASK, n_tokens: int = 4) -> Sample:
-    return Sample(prompt, [1, 2, 3], list(range(n_tokens)), text)
+    return Sample(prompt, [1, 2, 3], list(range(n_tokens)), text, OWN.prompt(prompt.messages))
 
 
 def test_builtin_functions_and_the_weighted_sum() -> None:
@@ -92,7 +94,7 @@ def test_reward_functions_that_cannot_be_built_are_refused() -> None:
 
 
 def test_prompt_sources_and_bad_records(tmp_path) -> None:
-    assert prompt_text(ASK.messages) == "<|user|>\nWrite a number.<|end|>\n<|assistant|>\n"
+    assert OWN.prompt(ASK.messages) == "<|user|>\nWrite a number.<|end|>\n<|assistant|>\n"
     assert len(digit_prompts()) == 400 and len({p.messages[0]["content"] for p in digit_prompts()}) == 400
     conversations = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
     assert prompts_of(PromptsConfig(), conversations) == [Prompt([{"role": "user", "content": "q"}])]
@@ -137,7 +139,7 @@ def test_prompts_are_encoded_up_to_the_assistant_header_and_long_ones_dropped(to
     )
     assert manifest.end_of_turn_id == tok.load().token_to_id("<|end|>")
     prompt, ids = manifest.records("train")[0]
-    assert ids == tok.load().encode(prompt_text(prompt.messages)).ids and len(ids) <= 40
+    assert ids == tok.load().encode(OWN.prompt(prompt.messages)).ids and len(ids) <= 40
     loader = PromptLoader(manifest, batch_size=4, seed=1)
     first = loader.next_batch()
     state = loader.state_dict()

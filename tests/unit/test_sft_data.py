@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_pipeline.chat import chat_format, own_layout
 from data_pipeline.config import SFTDataConfig
 from data_pipeline.sft import (
     IGNORE_INDEX,
@@ -15,7 +16,6 @@ from data_pipeline.sft import (
     builtin_sft_examples,
     encode_example,
     normalize_example,
-    render,
     run_sft_data,
 )
 from data_pipeline.shards import DatasetManifest
@@ -38,7 +38,7 @@ def tok(tokenized: tuple[DatasetManifest, Path]) -> TokenizerRef:
 
 def test_mask_covers_exactly_the_assistant_turns(tok: TokenizerRef) -> None:
     tokenizer = tok.load()
-    ids, mask = encode_example(tokenizer, CONVERSATION)
+    ids, mask = encode_example(tokenizer, chat_format(tok), CONVERSATION)
     assert (
         tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
         == "Four.<|end|> Six, of course.<|end|>"
@@ -50,8 +50,8 @@ def test_rendering_equals_the_saved_chat_template(tok: TokenizerRef) -> None:
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(tok.path)
-    assert render(CONVERSATION)[0] == hf.apply_chat_template(CONVERSATION, tokenize=False)
-    ids, _ = encode_example(tok.load(), CONVERSATION)
+    assert own_layout(CONVERSATION)[0] == hf.apply_chat_template(CONVERSATION, tokenize=False)
+    ids, _ = encode_example(tok.load(), chat_format(tok), CONVERSATION)
     assert ids.tolist() == hf.apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
 
 

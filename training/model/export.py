@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from data_pipeline.config import END_OF_TURN
+from data_pipeline.chat import chat_format
 from data_pipeline.loader import IGNORE_INDEX, Batch
 from data_pipeline.tokenizer import describe
 from infra.storage import atomic_write_json, damaged_file, file_records
@@ -72,15 +72,36 @@ def probe_tokens(cfg: ModelConfig, seed: int = 0) -> Tensor:
 
 
 def set_special_tokens(hf_model: torch.nn.Module, tokenizer_dir: Path) -> None:
-    """The tokenizer's ids in config.json and generation_config.json (not Llama's defaults, bos 1 / eos 2): generation
-    stops at end-of-text or end-of-turn; padding is the tokenizer's pad; documents start after an end-of-text."""
+    """The tokenizer's ids in config.json and generation_config.json (not Llama's defaults, bos 1 / eos 2). A model
+    directory's own generation settings are kept (an imported model's begin-of-text, its end-of-text list); lmforge's
+    tokenizers get theirs: generation stops at end-of-text or end-of-turn, padding is the tokenizer's pad, documents
+    start after an end-of-text. Either way the chat format's end-of-turn stops generation."""
+    from transformers import GenerationConfig
+
     tok = describe(tokenizer_dir)
-    stops = [tok.eos_id]
-    end_of_turn = tok.load().token_to_id(END_OF_TURN)
-    if end_of_turn is not None:
-        stops.append(end_of_turn)
+    end_of_turn = tok.load().token_to_id(chat_format(tok).end_of_turn)
+    if (tokenizer_dir / "generation_config.json").is_file():
+        hf_model.generation_config = GenerationConfig.from_pretrained(str(tokenizer_dir))
+        source = json.loads((tokenizer_dir / "config.json").read_text())
+        bos, eos, pad = (source.get(f"{name}_token_id") for name in ("bos", "eos", "pad"))
+        eos = hf_model.generation_config.eos_token_id or eos
+        pad = tok.pad_id if pad is None else pad
+    else:
+        bos, eos, pad = tok.eos_id, tok.eos_id, tok.pad_id
+    stops = list(dict.fromkeys([*(eos if isinstance(eos, list) else [eos]), end_of_turn]))
+    stops = [stop for stop in stops if stop is not None]
     for config in (hf_model.config, hf_model.generation_config):
-        config.bos_token_id, config.eos_token_id, config.pad_token_id = tok.eos_id, stops, tok.pad_id
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = bos, stops, pad
+
+
+def served_dtype(model_dir: Path) -> torch.dtype:
+    """The weights' type a model directory declares (config.json's `dtype`, or `torch_dtype` before
+    transformers 5); fp32 when it names none."""
+    config = model_dir / "config.json"
+    named = json.loads(config.read_text()) if config.is_file() else {}
+    name = named.get("dtype") or named.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
 def export_hf(
@@ -91,19 +112,24 @@ def export_hf(
     engine: EngineCheck | None = None,
 ) -> dict:
     """Write a Hugging Face model directory from our fp32 state dict and verify it (against the trained engine's
-    validation loss too, when given); returns the verification."""
+    validation loss too, when given); returns the verification. A model directory given as `tokenizer_dir` (an
+    imported model, or a run tuned from one) also gives its generation settings and its weights' type: a bf16
+    checkpoint is tuned in fp32 and given back in bf16, verified against our model on the same rounded weights."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per tiny shard only clutters the logs
 
     staging = fresh_staging(out)
+    dtype = served_dtype(Path(tokenizer_dir)) if tokenizer_dir is not None and cfg.has_llama_layout else None
+    if dtype is not None and dtype != torch.float32:
+        state_dict = {k: v.to(dtype).float() if v.is_floating_point() else v for k, v in state_dict.items()}
     if cfg.has_llama_layout:
         hf_model = build_hf_model(cfg)
         hf_model.load_state_dict(to_hf_state_dict(state_dict, cfg), strict=True)
         if tokenizer_dir is not None:
             set_special_tokens(hf_model, Path(tokenizer_dir))
-        hf_model.save_pretrained(str(staging), safe_serialization=True)
+        hf_model.to(dtype or torch.float32).save_pretrained(str(staging), safe_serialization=True)
     else:
         export_native(state_dict, cfg, staging)
     if tokenizer_dir is not None:

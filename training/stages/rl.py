@@ -103,7 +103,8 @@ def rollout(
             ended = end_of_turn in row
             completion = row[: row.index(end_of_turn) + 1] if ended else row
             text = tokenizer.decode(completion, skip_special_tokens=True)
-            samples.append(Sample(prompt, list(ids), completion, text))
+            prompt_text = tokenizer.decode(list(ids), skip_special_tokens=False)
+            samples.append(Sample(prompt, list(ids), completion, text, prompt_text))
             clipped.append(float(not ended))
     rows = [
         (

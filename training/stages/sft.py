@@ -17,15 +17,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 from torch import nn
 
-from data_pipeline.config import END_OF_TURN
+from data_pipeline.chat import Messages, chat_format
 from data_pipeline.loader import MixedLoader, PackedLoader, SampledLoader
-from data_pipeline.sft import Messages, SFTLoader, SFTManifest, render
+from data_pipeline.sft import SFTLoader, SFTManifest
 from data_pipeline.shards import DatasetManifest
 from data_pipeline.sources import DataError
-from data_pipeline.tokenizer import describe
+from data_pipeline.tokenizer import TokenizerRef, describe
 from infra.steps import Artifact
 from infra.storage import atomic_write_json
 from infra.tracking import Tracker
@@ -136,10 +135,10 @@ class SFT(TrainingStage):
         """Adapter / merged export (verified), before-and-after metrics."""
         spec: SFTSpec = job.spec
         base: TrainedModel = job.inputs["base"]
-        tokenizer = describe(Path(base.hf_export)).load()
+        tok = describe(Path(base.hf_export))
         examples = heldout_examples(job.inputs["data"], spec.eval_examples)
         model = base_model(base)  # the base is read once: scored first, then turned into the tuned model
-        match_before = exact_match(model, tokenizer, examples)
+        match_before = exact_match(model, tok, examples)
         tuned = export_tuned(job, final, model, spec.method, spec.lora, base.hf_export)
         val = val_losses(job.run_dir)
         summary = {
@@ -147,7 +146,7 @@ class SFT(TrainingStage):
             "sft/heldout_loss_before": val[0],
             "sft/heldout_loss_after": val[-1],
             "sft/exact_match_before": match_before,
-            "sft/exact_match_after": exact_match(tuned.model, tokenizer, examples),
+            "sft/exact_match_after": exact_match(tuned.model, tok, examples),
             "export/max_abs_logit_diff": tuned.verification["max_abs_logit_diff"],
         }
         atomic_write_json(job.run_dir / "sft_summary.json", summary)
@@ -185,15 +184,16 @@ def heldout_examples(data: SFTManifest, limit: int) -> list[Messages]:
 
 
 @torch.no_grad()
-def exact_match(model: Transformer, tokenizer: Tokenizer, examples: list[Messages]) -> float:
+def exact_match(model: Transformer, tok: TokenizerRef, examples: list[Messages]) -> float:
     """Share of held-out prompts whose greedy answer equals the reference answer (whitespace-trimmed), each given
     the reference's length in tokens plus 4 (at most what its context leaves); generated in batches
     (`greedy_each`)."""
-    end_id = tokenizer.token_to_id(END_OF_TURN)
+    tokenizer, fmt = tok.load(), chat_format(tok)
+    end_id = tokenizer.token_to_id(fmt.end_of_turn)
     prompts, budgets, references = [], [], []
     for messages in examples:
         reference = messages[-1]["content"]
-        ids = tokenizer.encode(render(messages[:-1])[0] + "<|assistant|>\n").ids
+        ids = tokenizer.encode(fmt.prompt(messages[:-1]), add_special_tokens=False).ids
         budget = min(len(tokenizer.encode(reference).ids) + 4, model.cfg.max_seq_len - len(ids))
         if budget > 0:
             prompts.append(ids)
