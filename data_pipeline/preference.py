@@ -9,9 +9,10 @@ list of chat turns that ends before the answer.
 
 Each side is one row in the tokenizer's chat format (`data_pipeline/chat.py`: its template, or lmforge's layout):
 the prompt's turns, the assistant's header, the response and its end-of-turn marker, with the loss mask on the
-response and marker only (earlier assistant turns carry none). Pairs whose sides are equal or empty are dropped and counted; a side longer than the sequence length has its response cut (counted), and a
-pair whose prompt alone fills the context is dropped (counted). Stored like the SFT examples: Arrow per split,
-the held-out pairs as JSONL, a manifest with the tokenizer digest.
+response and marker only (earlier assistant turns carry none). Pairs whose sides are equal or empty are dropped
+and counted; a side longer than the sequence length has its response cut (counted), and a pair whose prompt
+alone fills the context is dropped (counted). Stored like the SFT examples: Arrow per split, the held-out pairs as
+JSONL, a manifest with the tokenizer digest.
 """
 
 from __future__ import annotations

@@ -192,7 +192,10 @@ def plan(
 ) -> Plan:
     """A plan for `targets` and what they need. `given` supplies finished artifacts instead of building them, by a
     target's role (`base`, `teacher`; `models` for the evaluation) or by stage name (`sft_data`)."""
+    from flows.stages.runs import in_model_tokens
+
     targets = list(targets)
+    recipe = in_model_tokens(recipe, given or {})
     unsupplied = enable(targets)
     by_stage: dict[str, Any] = {}
     for role, artifact in (given or {}).items():

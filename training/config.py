@@ -214,6 +214,18 @@ class LoraSettings(BaseModel):
     experts: bool = False  # also adapt MoE experts' stacked weights (PEFT target_parameters)
 
 
+class PretrainConfig(BaseModel):
+    """Pretraining's own settings (the recipe's `pretrain:` section; the model, optimiser and run are the recipe's
+    `model:`, `optim:` and `train:`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # continued pretraining: a Hugging Face model directory (or a finished run) whose architecture, weights and
+    # tokenizer the run starts from, with a new optimiser state and the schedule from step 0 (the recipe's `model:`
+    # is then not used, and the corpus is tokenized with that model's tokenizer unless data.tokenizer.path names one)
+    init_from: str | None = None
+
+
 class SFTConfig(BaseModel):
     """Supervised fine-tuning (the recipe's `sft:` section) of a pretrained checkpoint, full or LoRA, with its own optimiser and run."""
 

@@ -3,20 +3,28 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from flows.stage_def import Inputs, StageDef
+from training.config import PretrainConfig
 
 if TYPE_CHECKING:
     from flows.recipe import Recipe
     from flows.runner import StepProgress
     from training.stages.lifecycle import TrainedModel
 
+log = logging.getLogger(__name__)
+
 
 def run(recipe: Recipe, inputs: Inputs, progress: StepProgress | None) -> TrainedModel:
+    from flows.stages.runs import init_model
     from training.stages.pretrain import run_pretrain
 
-    return run_pretrain(recipe.pretrain_spec(), inputs["data"], progress=progress)
+    init = init_model(recipe)
+    if init is not None and "law" in inputs:
+        log.warning("pretrain.init_from fixes the model's size: the scaling fit's choice of size is not used")
+    return run_pretrain(recipe.pretrain_spec(), inputs["data"], progress=progress, init=init)
 
 
 def report(recipe: Recipe, inputs: Inputs, model: TrainedModel) -> str:
@@ -42,7 +50,9 @@ PRETRAIN: StageDef[TrainedModel] = StageDef(
     help="stage 2: DeepSpeed pretraining (resumes automatically)",
     run=run,
     needs={"data": "tokenize"},
-    wants={"law": "fit"},  # the fit sizes the model (Plan.recipe) before it trains
+    wants={"law": "fit"},
+    section="pretrain",
+    config=PretrainConfig,  # the fit sizes the model (Plan.recipe) before it trains
     progress="steps",
     total=lambda recipe, inputs: recipe.train.max_steps,
     headline=lambda m: {"val loss": m.final_val_loss, "steps": m.step, "export verified": m.export_valid},

@@ -4,7 +4,7 @@ a run first (`training/stages/imported.py`); and how a trained run is described.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +13,7 @@ from infra.object_store import is_remote
 from training.compress.config import VARIANT_FILE
 
 if TYPE_CHECKING:
+    from flows.recipe import Recipe
     from training.stages.lifecycle import TrainedModel
 
 
@@ -40,6 +41,28 @@ def load_model(run_dir: str | Path, output_dir: str | Path) -> TrainedModel:
             "the compress stage's frontier evaluates it"
         )
     return TrainedModel.load(run_dir)
+
+
+def init_model(recipe: Recipe) -> TrainedModel | None:
+    """`pretrain.init_from` as a finished run (a Hugging Face directory imported once), or None."""
+    source = recipe.pretrain.init_from
+    return None if source is None else load_model(source, recipe.output_dir)
+
+
+def in_model_tokens(recipe: Recipe, given: Mapping[str, Any]) -> Recipe:
+    """The recipe with `data.tokenizer.path` at the tokenizer of the model it starts from, when it names none:
+    `pretrain.init_from`'s, or a given model's that came from a Hugging Face directory (`source_model`). Continued
+    pretraining, SFT's replay windows and the evaluation's held-out text then read the corpus in the model's own
+    tokens."""
+    if recipe.data.tokenizer.path is not None:
+        return recipe
+    models = [init_model(recipe)]
+    for value in given.values():
+        for item in value if isinstance(value, list) else [value]:
+            model = item[1] if isinstance(item, tuple) else item  # the evaluation's (name, model) pairs
+            models.append(model if getattr(model, "source_model", None) else None)
+    model = next((m for m in models if m is not None), None)
+    return recipe if model is None else recipe.override({"data.tokenizer.path": exported(model)})
 
 
 def load_models(run_dirs: Sequence[str], output_dir: str | Path) -> list[tuple[str, TrainedModel]]:

@@ -12,39 +12,29 @@ import pytest
 import torch
 
 from flows.cli import main
-from tests.hf_checkpoints import hf_model
+from tests.hf_checkpoints import hf_model, write_tokenizer
 from tests.pretrain_helpers import SMOKE_SETTINGS, smoke_overrides
 from training.stages.lifecycle import TrainedModel
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def qwen2_with(tokenizer_dir: Path, vocab_size: int, directory: Path) -> Path:
-    """A random Qwen2 whose embedding fits the smoke tokenizer, saved with that tokenizer's files."""
-    import transformers
+def model_with_tokenizer(family: str, style: str, directory: Path) -> Path:
+    """A random `family` checkpoint saved with a tokenizer of its own (`style`: its special tokens and chat
+    template, not lmforge's), its embedding the tokenizer's size and its config naming the tokenizer's ids."""
+    from data_pipeline.tokenizer import describe
 
-    model = hf_model("qwen2")
-    config = transformers.Qwen2Config(**{**model.config.to_dict(), "vocab_size": vocab_size})
-    model = transformers.Qwen2ForCausalLM(config)
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise)
-    model.save_pretrained(str(directory))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, directory / name)
+    tok = describe(write_tokenizer(style, directory))
+    ids = {"vocab_size": tok.vocab_size, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    hf_model(family, seed=3, **ids).save_pretrained(str(directory))
     return directory
 
 
 @pytest.fixture(scope="module")
-def own(smoke_base, tmp_path_factory) -> tuple[Path, list[str], TrainedModel]:
+def own(tmp_path_factory) -> tuple[Path, list[str], TrainedModel]:
     """(the user's directory, the CLI's overrides, the LoRA SFT run `lmforge sft smoke --base DIR` made)."""
-    _, base = smoke_base
     root = tmp_path_factory.mktemp("own")
-    vocab = json.loads((Path(base.hf_export) / "config.json").read_text())["vocab_size"]
-    source = qwen2_with(Path(base.hf_export), vocab, root / "Qwen2-tiny")
+    source = model_with_tokenizer("qwen2", "chatml", root / "Qwen2-tiny")
     sets = [a for s in smoke_overrides(root / "outputs", *SMOKE_SETTINGS) for a in ("--set", s)]
     assert main(["sft", "smoke", "--base", str(source), *sets]) == 0
     (run_dir,) = (root / "outputs" / "sft").iterdir()
@@ -69,6 +59,24 @@ def test_sft_from_a_qwen2_directory_exports_qwen2(own) -> None:
             load_export(tuned.hf_export)(tokens).logits, theirs(tokens).logits, rtol=0, atol=1e-5
         )
     assert tuned.source_model is not None and str(source.resolve()) in tuned.source_model
+
+
+def test_the_export_keeps_the_models_tokenizer_and_chat_template(own) -> None:
+    """The tuned model ends its turns as the source's template does: its generation stops at `<|im_end|>`, its
+    tokenizer files and chat template are the source's, and its SFT data was masked on the template's answers."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from data_pipeline.sft import SFTManifest, read_rows
+
+    source, _, tuned = own
+    theirs = AutoTokenizer.from_pretrained(tuned.hf_export)
+    assert theirs.chat_template == AutoTokenizer.from_pretrained(str(source)).chat_template is not None
+    im_end = theirs.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in GenerationConfig.from_pretrained(tuned.hf_export).eos_token_id
+    (data_dir,) = (Path(tuned.path).parents[1] / "sft_data").iterdir()
+    rows = read_rows(Path(SFTManifest.load(data_dir).path) / "train.arrow")
+    ids, mask = rows.column("input_ids")[0].values.to_numpy(), rows.column("loss_mask")[0].values.to_numpy()
+    assert theirs.decode(ids[:12]).startswith("<|im_start|>system\n") and ids[mask == 1][-1] == im_end
 
 
 def test_the_adapter_loads_on_the_original_directory(own) -> None:
@@ -142,3 +150,74 @@ def test_compress_takes_the_directory(own, capsys) -> None:
     assert main(["compress", "smoke", "--base", str(source), *sets]) == 0
     out = capsys.readouterr().out
     assert "# Compression frontier" in out and "int4-g4" in out
+
+
+@pytest.fixture(scope="module")
+def continued(tmp_path_factory) -> tuple[Path, list[str], TrainedModel]:
+    """(a Llama 3 directory with its own tokenizer, the CLI's overrides, the run `lmforge pretrain smoke --set
+    pretrain.init_from=DIR` made: 10 steps, a checkpoint every 5)."""
+    root = tmp_path_factory.mktemp("continued")
+    source = model_with_tokenizer("llama3-tied", "llama3", root / "Llama-tiny")
+    settings = [f"pretrain.init_from={source}", "train.max_steps=10", "train.checkpoint_every=5"]
+    sets = [a for s in smoke_overrides(root / "outputs", *settings) for a in ("--set", s)]
+    assert main(["pretrain", "smoke", *sets]) == 0
+    (run_dir,) = (root / "outputs" / "pretrain").iterdir()
+    return source, sets, TrainedModel.load(run_dir)
+
+
+def test_continued_pretraining_starts_from_the_directory(continued) -> None:
+    """The run is the directory's model (its architecture, Llama 3 rope scaling included), on the corpus in the
+    directory's own tokens, and its first validation loss (step 0, before any update) is the one transformers
+    measures for the directory's weights on the same batches."""
+    from transformers import AutoModelForCausalLM
+
+    from data_pipeline.loader import PackedLoader
+    from data_pipeline.shards import DatasetManifest
+    from data_pipeline.tokenizer import describe
+    from flows.recipe import load_recipe
+    from training.model.config import ModelConfig
+    from training.model.export import ENGINE_TOLERANCE, mean_loss
+    from training.stages.lifecycle import read_metrics
+
+    source, sets, run = continued
+    cfg = ModelConfig(**run.model)
+    assert cfg.vocab_size == describe(source).vocab_size and cfg.rope_scaling is not None
+    assert run.tokenizer_digest == describe(source).digest and str(source.resolve()) in (
+        run.source_model or ""
+    )
+    recipe = load_recipe("smoke", sets[1::2])
+    (data_dir,) = (Path(recipe.output_dir) / "tokenize").iterdir()
+    data = DatasetManifest.load(data_dir)
+    assert data.tokenizer.digest == run.tokenizer_digest
+    loader = PackedLoader(
+        data,
+        "val",
+        shuffle=False,
+        seq_len=recipe.train.seq_len,
+        batch_size=recipe.train.micro_batch_size,
+        tokenizer_digest=data.tokenizer.digest,
+    )
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(source), dtype=torch.float32, attn_implementation="eager"
+    )
+    expected = mean_loss(theirs.eval(), loader.epoch_batches(recipe.train.eval_batches_per_rank(1)))
+    first = next(m for m in read_metrics(run.path) if "val/loss" in m)
+    assert first["step"] == 0
+    assert abs(first["val/loss"] - expected) <= ENGINE_TOLERANCE[recipe.parallel.precision] * expected
+    exported = json.loads((Path(run.hf_export) / "config.json").read_text())
+    assert exported["model_type"] == "llama" and exported["rope_parameters"]["rope_type"] == "llama3"
+
+
+def test_continued_pretraining_resumes_exactly(continued, tmp_path: Path) -> None:
+    """Killed right after its step-5 checkpoint, the run goes on from there and ends bit for bit where the
+    uninterrupted one did (the same key: the import is keyed by content, not by where it was written)."""
+    from tests.pretrain_helpers import losses, stopped_copy
+
+    source, sets, run = continued
+    out = tmp_path / "outputs"
+    stopped_copy(Path(run.path), out / "pretrain", 5)
+    moved = [f"output_dir={out}" if s.startswith("output_dir=") else s for s in sets]
+    assert main(["pretrain", "smoke", *moved]) == 0
+    (resumed,) = (out / "pretrain").iterdir()
+    assert resumed.name == Path(run.path).name
+    assert losses(resumed) == losses(Path(run.path))

@@ -59,13 +59,15 @@ def factorize(
 
 
 class LowRankLinear(nn.Module):
-    """y = x·Bᵀ·Aᵀ: a linear layer held as its two factors (`b` then `a`, state-dict keys `a`, `b`)."""
+    """y = x·Bᵀ·Aᵀ + bias: a linear layer held as its two factors (`b` then `a`, state-dict keys `a`, `b`) and the
+    layer's bias, kept whole (Qwen2's q/k/v projections have one)."""
 
-    def __init__(self, a: Tensor, b: Tensor) -> None:
+    def __init__(self, a: Tensor, b: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
         # row-major copies: SVD factors come column-major, and a stored-then-loaded variant must run the same kernels
         self.a = nn.Parameter(a.detach().clone(memory_format=torch.contiguous_format), requires_grad=False)
         self.b = nn.Parameter(b.detach().clone(memory_format=torch.contiguous_format), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @property
     def in_features(self) -> int:
@@ -76,7 +78,7 @@ class LowRankLinear(nn.Module):
         return self.a.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:
-        return nn.functional.linear(nn.functional.linear(x, self.b), self.a)
+        return nn.functional.linear(nn.functional.linear(x, self.b), self.a, self.bias)
 
     def dense(self) -> Tensor:
         """The (out, in) weight the factors stand for."""

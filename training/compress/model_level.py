@@ -159,7 +159,7 @@ def factorize_model(model: nn.Module, ranks: dict[str, int | None]) -> dict[str,
             torch.linalg.matrix_norm(layer.weight.double() - factors.a.double() @ factors.b.double())
         )
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, LowRankLinear(factors.a, factors.b))
+        setattr(model.get_submodule(parent), child, LowRankLinear(factors.a, factors.b, layer.bias))
         details[name] = {"rank": rank, "error": error, "bound": factors.frobenius_error_bound()}
     return details
 

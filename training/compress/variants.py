@@ -160,6 +160,8 @@ def dense_state_dict(model: nn.Module) -> dict[str, Tensor]:
         if isinstance(model.get_submodule(module), LowRankLinear):
             if param == "a":
                 state[f"{module}.weight"] = model.get_submodule(module).dense()
+            elif param == "bias":
+                state[key] = value
         else:
             state[key] = value
     return state
@@ -317,7 +319,11 @@ def load_variant(directory: str | Path, method: str) -> Transformer:
         model = Transformer(load_hf_config(directory / "hf"), seed=None)
         for name in {k.rpartition(".")[0] for k in state if k.endswith(".a")}:
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, LowRankLinear(state[f"{name}.a"], state[f"{name}.b"]))
+            setattr(
+                model.get_submodule(parent),
+                child,
+                LowRankLinear(state[f"{name}.a"], state[f"{name}.b"], state.get(f"{name}.bias")),
+            )
         return load_weights(model, state, directory / FACTORS)
     if method not in QUANTIZED:
         return load_export(directory / "hf")

@@ -1,6 +1,7 @@
 """Stage 2: pretraining, as a stage over the one training lifecycle (`training/stages/lifecycle.py`).
 
-`run_pretrain(spec, data) -> TrainedModel`: a freshly initialised model trained on the token shards (one
+`run_pretrain(spec, data) -> TrainedModel`: a freshly initialised model (or, continued pretraining, a given model's
+weights: `init`) trained on the token shards (one
 in-process worker or N Ray Train workers, each running DeepSpeed), resumable, tracked in MLflow, ending with a
 verified Hugging Face export. The run is keyed by the spec's model, optimiser, run and weight-relevant
 parallel settings plus the dataset's content digest.
@@ -26,6 +27,7 @@ from training.config import PretrainSpec
 from training.loop import Batches
 from training.model.config import ModelConfig
 from training.model.export import ENGINE_TOLERANCE, EngineCheck, export_hf
+from training.model.hf_interop import load_export
 from training.model.transformer import Transformer
 from training.probe import TaskProbe
 from training.stages.lifecycle import (
@@ -44,8 +46,14 @@ class Pretrain(TrainingStage):
     version = 2
 
     def check(self, spec: PretrainSpec, inputs: Mapping[str, Artifact]) -> None:
-        data = inputs["data"]
+        data, init = inputs["data"], inputs.get("init")
         assert isinstance(data, DatasetManifest)
+        if isinstance(init, TrainedModel) and init.tokenizer_digest != data.tokenizer.digest:
+            raise DataError(
+                f"pretrain.init_from={init.source_model or init.path} was trained with another tokenizer than the "
+                f"corpus's ({data.tokenizer.path}); leave data.tokenizer.path unset (the corpus is then tokenized "
+                "with the model's own) or point it at the model's directory"
+            )
         if data.tokenizer.vocab_size > spec.model.vocab_size:
             raise DataError(
                 f"the dataset's tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size="
@@ -62,6 +70,9 @@ class Pretrain(TrainingStage):
         return job.spec.model
 
     def build_model(self, job: TrainingJob) -> nn.Module:
+        init = job.inputs.get("init")
+        if isinstance(init, TrainedModel):  # continued pretraining: the model's own weights, in fp32
+            return load_export(init.hf_export).train()
         return Transformer(job.spec.model, seed=job.spec.train.seed)
 
     def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
@@ -98,13 +109,16 @@ class Pretrain(TrainingStage):
         from training.parallel import fp32_state_dict
 
         data: DatasetManifest = job.inputs["data"]
+        init = job.inputs.get("init")
         cfg: ModelConfig = job.spec.model
         state = fp32_state_dict(final, cfg.tie_embeddings)
         val = val_losses(job.run_dir)
         verification = export_hf(
             state,
             cfg.trained_at(job.spec.train.seq_len),
-            data.tokenizer.path,
+            init.hf_export
+            if isinstance(init, TrainedModel)
+            else data.tokenizer.path,  # its generation settings
             job.run_dir / "hf",
             self.engine_check(job, val, ckpt.read_meta(final)["layout"]["world_size"]),  # the last attempt's
         )
@@ -125,6 +139,14 @@ class Pretrain(TrainingStage):
 PRETRAIN = Pretrain()
 
 
-def run_pretrain(spec: PretrainSpec, data: DatasetManifest, progress: Progress | None = None) -> TrainedModel:
-    """Train (or resume, or return) `spec`'s model on `data`."""
-    return run_training_stage(PRETRAIN, spec, {"data": data}, progress)
+def run_pretrain(
+    spec: PretrainSpec,
+    data: DatasetManifest,
+    progress: Progress | None = None,
+    init: TrainedModel | None = None,
+) -> TrainedModel:
+    """Train (or resume, or return) `spec`'s model on `data`; from `init`'s weights (continued pretraining: its
+    architecture, a new optimiser, the schedule from step 0) when given, keyed by it."""
+    if init is not None:
+        spec = PretrainSpec.model_validate({**spec.model_dump(), "model": init.model})
+    return run_training_stage(PRETRAIN, spec, {"data": data, **({"init": init} if init else {})}, progress)
