@@ -29,7 +29,7 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module", params=sorted(TOKENIZERS))
 def tok(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TokenizerRef:
-    return describe(write_tokenizer(request.param, tmp_path_factory.mktemp(request.param, numbered=False)))
+    return describe(write_tokenizer(request.param, tmp_path_factory.mktemp("tokenizer") / request.param))
 
 
 def template_encoding(tok: TokenizerRef, conversation: list[dict[str, str]]) -> dict:

@@ -125,3 +125,27 @@ def test_an_unfinished_lmforge_run_still_says_so(tmp_path: Path, capsys) -> None
     (run / "run.json").write_text("{}")
     (run / "config.json").write_text("{}")  # an lmforge run is never taken for a model directory
     assert "has not finished" in refused(run, capsys)
+
+
+def test_a_bf16_checkpoint_is_given_back_in_bf16(qwen2: Path, tmp_path: Path) -> None:
+    """The export keeps the source's weight type (config.json's dtype and the safetensors' own), with the
+    source's values exactly, and transformers reloads it with lmforge's logits on those values."""
+    from safetensors import safe_open
+
+    from tests.hf_checkpoints import hf_model
+    from training.stages.imported import run_import
+
+    source = tmp_path / "bf16"
+    hf_model("qwen2").to(torch.bfloat16).save_pretrained(str(source))
+    shutil.copy(qwen2 / "tokenizer.json", source / "tokenizer.json")
+    imported = run_import(source, tmp_path / "outputs")
+    export = Path(imported.hf_export)
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+    with (
+        safe_open(str(export / "model.safetensors"), "pt") as theirs,
+        safe_open(str(source / "model.safetensors"), "pt") as ours,
+    ):
+        names = ours.keys()  # a safetensors handle is not iterable
+        assert {theirs.get_slice(k).get_dtype() for k in names} == {"BF16"}
+        assert all(torch.equal(theirs.get_tensor(k), ours.get_tensor(k)) for k in names)
+    assert imported.export_valid and imported.max_abs_logit_diff <= 1e-5
