@@ -125,6 +125,16 @@ def _unfinish(store: Store, relative: str, problem: str) -> None:
     raise DamagedObject(f"{store.url(relative)}: {problem} (truncated or corrupted); it is rebuilt")
 
 
+def pull_plain(store: Store, local: Path) -> Path:
+    """`local` as a copy of a plain directory on object storage, one lmforge did not write (a Hugging Face model's:
+    no manifest, no `.files.json`): each object is downloaded unless a file of its size is already here."""
+    for relative, size in store.listing().items():
+        target = local / relative
+        if not (target.is_file() and target.stat().st_size == size):
+            store.download(relative, target, size=size)
+    return local
+
+
 def pull_unfinished(store: Store, local: Path, plain_files: bool = True) -> None:
     """What another node left of an unfinished directory: its newest complete checkpoint, unless an intact copy
     is here (`checkpoints/step-N/COMPLETE` is uploaded last, so a listed COMPLETE means every file before it is

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,15 +72,30 @@ def run_workers(
     )
     log.info("launching %d Ray Train workers (gpu=%s)", workers, use_gpu)
     if stop_file is None:  # a run directory on object storage: no stop file the workers all see
-        trainer.fit()
+        fit(trainer)
         return
     with stop_file_on_signals(stop_file, "the workers") as stop:
-        trainer.fit()
+        fit(trainer)
     if stop_file.with_suffix(".done").exists():
         raise Preempted(
             f"{stop.signal}: the {workers} workers stopped after writing a checkpoint under {stop_file.parent.parent}; "
             "rerun the same command to resume from it"
         )
+
+
+BAD_INPUT = re.compile(r"(?:DataError|ConfigError): (.+)")
+
+
+def fit(trainer: Any) -> None:
+    """`trainer.fit()`; bad input a worker refused (a `DataError` or `ConfigError` in its traceback) ends as that
+    one line here, as it would have in one process, not as Ray's traceback of the worker group."""
+    try:
+        trainer.fit()
+    except Exception as error:
+        refused = BAD_INPUT.search(str(error))
+        if refused is None:
+            raise
+        raise UserError(refused.group(1).strip()) from None
 
 
 def _stoppable(config: dict[str, Any]) -> None:

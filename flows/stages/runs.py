@@ -20,11 +20,16 @@ if TYPE_CHECKING:
 def load_model(run_dir: str | Path, output_dir: str | Path) -> TrainedModel:
     """A finished, intact training run by directory, or a Hugging Face model directory imported as one under
     `output_dir`; one line naming the fix when it is missing, unfinished, damaged or not representable. An
-    object-store URI of a run is pulled to this node first."""
+    object-store URI of a run, or of a model directory, is pulled to this node first."""
+    from infra.mirror import local_path, pull_plain
+    from infra.object_store import open_store
     from training.model.checkpoint_files import refuse_gguf
     from training.stages.imported import is_hf_directory, run_import
     from training.stages.lifecycle import TrainedModel
 
+    if is_remote(run_dir) and is_remote_hf_directory(str(run_dir)):
+        local = pull_plain(open_store(str(run_dir)), local_path(str(run_dir)))
+        return run_import(local, output_dir, origin=str(run_dir))
     if not is_remote(run_dir):
         refuse_gguf(Path(run_dir))
     if not is_remote(run_dir) and not Path(run_dir).is_dir():
@@ -63,6 +68,14 @@ def in_model_tokens(recipe: Recipe, given: Mapping[str, Any]) -> Recipe:
             models.append(model if getattr(model, "source_model", None) else None)
     model = next((m for m in models if m is not None), None)
     return recipe if model is None else recipe.override({"data.tokenizer.path": exported(model)})
+
+
+def is_remote_hf_directory(uri: str) -> bool:
+    """An object-store URI of a Hugging Face model directory (a config.json, no lmforge manifest)."""
+    from infra.object_store import open_store
+
+    store = open_store(uri)
+    return store.size("config.json") is not None and store.size("manifest.json") is None
 
 
 def load_models(run_dirs: Sequence[str], output_dir: str | Path) -> list[tuple[str, TrainedModel]]:

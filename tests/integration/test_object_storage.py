@@ -282,3 +282,19 @@ def test_an_upload_cut_short_is_finished_by_the_rerun(s3, small_data_cfg, monkey
     assert store.size(f"{Path(data.path).parent.name}/{Path(data.path).name}/manifest.json")
     for shard in data.splits["train"].shards:
         assert store.size(f"tokenize/{Path(data.path).name}/{shard.file}") == shard.bytes
+
+
+def test_a_model_directory_on_the_store_is_imported_by_uri(s3, tmp_path: Path) -> None:
+    """`--base s3://.../Qwen2-tiny` (a Hugging Face directory uploaded as is, no lmforge manifest): pulled to this
+    node's mirror, imported like a local one (the same key), its lineage naming the URI."""
+    from flows.stages.runs import load_model
+    from tests.hf_checkpoints import write_checkpoint, write_tokenizer
+
+    local = write_checkpoint("qwen2", tmp_path / "Qwen2-tiny", config={"vocab_size": 300})
+    write_tokenizer("chatml", local)
+    store, uri = open_store("s3://lmforge/models/Qwen2-tiny"), "s3://lmforge/models/Qwen2-tiny"
+    for file in local.iterdir():
+        store.upload(file, file.name)
+    remote = load_model(uri, tmp_path / "outputs")
+    assert remote.kind == "imported" and remote.source_model is not None and remote.source_model.startswith(uri)
+    assert load_model(local, tmp_path / "outputs").key == remote.key

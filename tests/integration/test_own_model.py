@@ -221,3 +221,26 @@ def test_continued_pretraining_resumes_exactly(continued, tmp_path: Path) -> Non
     (resumed,) = (out / "pretrain").iterdir()
     assert resumed.name == Path(run.path).name
     assert losses(resumed) == losses(Path(run.path))
+
+
+def test_preference_reward_and_rl_stages_take_the_directory(own, tmp_path: Path) -> None:
+    """`--base DIR` on DPO, the reward model and RL: each trains from the directory's weights in its chat format
+    and gives a Qwen2 model back (the reward model as Qwen2ForSequenceClassification), naming its source."""
+    source, sets, _ = own
+    short = ["dpo.train.max_steps=4", "reward_model.train.max_steps=4", "rl.train.max_steps=2"]
+    extra = [a for s in short for a in ("--set", s)]
+    for stage, architecture in (
+        ("dpo", "Qwen2ForCausalLM"),
+        ("reward_model", "Qwen2ForSequenceClassification"),
+        ("rl", "Qwen2ForCausalLM"),
+    ):
+        assert main([stage.replace("_", "-"), "smoke", "--base", str(source), *sets, *extra]) == 0
+        (run_dir,) = (Path(tuned_root(sets)) / stage).iterdir()
+        run = TrainedModel.load(run_dir)
+        config = json.loads((Path(run.hf_export) / "config.json").read_text())
+        assert config["architectures"] == [architecture] and str(source.resolve()) in (run.source_model or "")
+
+
+def tuned_root(sets: list[str]) -> str:
+    """The output directory the CLI overrides name."""
+    return next(s.removeprefix("output_dir=") for s in sets if s.startswith("output_dir="))

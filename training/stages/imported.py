@@ -64,8 +64,9 @@ def check_source(source: Path) -> TokenizerRef:
     return tokenizer
 
 
-def run_import(source: str | Path, root: str | Path) -> TrainedModel:
-    """The Hugging Face directory `source` as a finished `imported` run under `<root>/import/`."""
+def run_import(source: str | Path, root: str | Path, origin: str | None = None) -> TrainedModel:
+    """The Hugging Face directory `source` as a finished `imported` run under `<root>/import/`; `origin` names
+    where it came from when `source` is this node's copy (an object-store URI)."""
     source = Path(source).resolve()
     tokenizer = check_source(source)
     config = {
@@ -74,7 +75,7 @@ def run_import(source: str | Path, root: str | Path) -> TrainedModel:
         "tokenizer_sha256": tokenizer.digest,
     }
     step = Step("import", source.name, IMPORT_VERSION, config, TrainedModel)
-    lineage = f"{source} (config sha256:{config['config_sha256'][:12]}, weights sha256:{config['weights_sha256'][:12]})"
+    lineage = f"{origin or source} (config sha256:{config['config_sha256'][:12]}, weights sha256:{config['weights_sha256'][:12]})"
     return run_step(root, step, lambda out, key: build(source, out, lineage))
 
 
