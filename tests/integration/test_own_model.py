@@ -94,6 +94,32 @@ def test_the_adapter_loads_on_the_original_directory(own) -> None:
         torch.testing.assert_close(adapted(tokens).logits, merged(tokens).logits, rtol=0, atol=1e-5)
 
 
+def test_auto_peft_loads_the_adapter_even_after_a_move(own, tmp_path: Path) -> None:
+    """`AutoPeftModelForCausalLM.from_pretrained(adapter)` (the base from the adapter's own config) gives the merged
+    export's logits; with the outputs moved elsewhere, `lmforge lora merge` still finds the base beside it."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    _, _, tuned = own
+    assert tuned.adapter is not None
+    auto = AutoPeftModelForCausalLM.from_pretrained(tuned.adapter, dtype=torch.float32).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tuned.hf_export, dtype=torch.float32).eval()
+    tokens = torch.randint(0, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(auto(tokens).logits, merged(tokens).logits, rtol=0, atol=1e-5)
+    outputs = Path(tuned.path).parents[1]
+    moved = outputs.with_name("moved-outputs")
+    outputs.rename(moved)  # the whole output directory moves (and comes back for the other tests)
+    try:
+        adapter = moved / Path(tuned.adapter).relative_to(outputs)
+        assert main(["lora", "merge", str(adapter), "--out", str(tmp_path / "merged")]) == 0
+    finally:
+        moved.rename(outputs)
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, merged(tokens).logits, rtol=0, atol=1e-5)
+
+
 def test_the_run_names_its_source_in_mlflow(own) -> None:
     import mlflow
 

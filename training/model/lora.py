@@ -8,6 +8,7 @@ stacked parameters, not `nn.Linear`s, so they are adapted through PEFT's `target
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from training.config import LoraSettings
 from training.model.transformer import Transformer
 
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+BASE_FILE = "lmforge_base.json"  # the base export's path relative to the adapter directory
 
 
 def linear_names(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -82,7 +84,9 @@ def save_adapter(
 ) -> None:
     """PEFT's adapter directory, pointing at the base's Hugging Face export; `folds` (the factors the export folded
     into projections, `hf_interop.weight_folds`: μP's attention scale, CompleteP's residual multiplier) scale
-    those projections' adapters' B the same way."""
+    those projections' adapters' B the same way. Its config reads as one PEFT wrote on a transformers model (a
+    causal LM, no `auto_mapping` naming lmforge's own class), so `AutoPeftModelForCausalLM.from_pretrained(adapter)`
+    loads it; `BASE_FILE` also holds the base's path relative to the adapter, found again after the outputs move."""
     peft_model.save_pretrained(str(out))
     if folds:
         from safetensors.torch import load_file, save_file
@@ -90,11 +94,25 @@ def save_adapter(
         path = out / "adapter_model.safetensors"
         weights = load_file(str(path))
         save_file({k: v * _fold(k, folds) for k, v in weights.items()}, str(path))
+    config_path = out / "adapter_config.json"
+    config = json.loads(config_path.read_text()) | {"auto_mapping": None, "task_type": "CAUSAL_LM"}
     if base_export is not None:
-        config_path = out / "adapter_config.json"
-        config = json.loads(config_path.read_text())
         config["base_model_name_or_path"] = base_export
-        config_path.write_text(json.dumps(config, indent=2) + "\n")
+        (out / BASE_FILE).write_text(json.dumps({"relative": os.path.relpath(base_export, out)}) + "\n")
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def adapter_base(adapter: Path) -> str | None:
+    """The adapter's base export: where its config says, else where it lies relative to the adapter (the
+    outputs moved together), else None."""
+    named = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if named and Path(named).is_dir():
+        return named
+    if (adapter / BASE_FILE).is_file():
+        relative = adapter / json.loads((adapter / BASE_FILE).read_text())["relative"]
+        if relative.is_dir():
+            return str(relative.resolve())
+    return None
 
 
 def _fold(key: str, folds: dict[str, float]) -> float:
@@ -127,7 +145,7 @@ def merge_adapter_export(adapter: Path, out: Path, base: str | None = None) -> P
     config_path = adapter / "adapter_config.json"
     if not config_path.is_file():
         raise ValueError(f"{adapter}: no adapter_config.json; give a PEFT adapter directory")
-    base = base or json.loads(config_path.read_text()).get("base_model_name_or_path")
+    base = base or adapter_base(adapter)
     if not base or not Path(base).is_dir():
         raise ValueError(
             f"{adapter}: base model {base!r} not found locally; pass --base <hf export directory>"
