@@ -160,8 +160,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Start Prefect, MLflow and (unless --no-ray) a Ray head side by side; each is recorded as soon as it is
     healthy, and a failure stops every one that started."""
     from infra.services import (
+        LOOPBACK_RAY,
         ServiceError,
         check_bind,
+        is_loopback,
         is_running,
         load_state,
         ray_ports,
@@ -213,8 +215,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     if "ray" in urls:
         token = state / "ray_auth_token"
         token_path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(token)
+        loopback = " ".join(f"{k}={v}" for k, v in LOOPBACK_RAY.items()) + " " if is_loopback(args.host) else ""
         print(
-            f"  export RAY_ADDRESS={args.host}:{args.ray_port} RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token_path}"
+            f"  export RAY_ADDRESS={args.host}:{args.ray_port} RAY_API_SERVER_ADDRESS={urls['ray']} {loopback}"
+            f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token_path}"
         )
         print(
             f"  Ray dashboard and Jobs API: {urls['ray']} (the dashboard asks for the token in {token_path})"

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from infra.errors import UserError
+
 
 def ensure_ray(min_cpus: int = 1, log_to_driver: bool = True) -> bool:
     """Connect to `RAY_ADDRESS`, or start a private local instance with at least `min_cpus` logical CPUs (the
@@ -19,7 +21,14 @@ def ensure_ray(min_cpus: int = 1, log_to_driver: bool = True) -> bool:
     if ray.is_initialized():
         return private
     if not private:
-        ray.init()
+        try:
+            ray.init()
+        except (ConnectionError, TimeoutError) as error:
+            raise UserError(
+                f"no Ray cluster answers at RAY_ADDRESS={os.environ['RAY_ADDRESS']} ({str(error).splitlines()[0]}): "
+                "start it (`lmforge up`, or `ray start --head`), export what `lmforge up` printed, or unset "
+                "RAY_ADDRESS to run on a private local instance"
+            ) from None
     else:
         cpus = max(min_cpus, os.cpu_count() or 1)
         # no idle workers started ahead of the first driver's tasks: lmforge's actors (Ray Train's, Tune's) each need

@@ -31,12 +31,32 @@ FORWARDED_ENV = (  # passed to the job by name, so secrets never appear in the c
     "LMFORGE_OUTPUT_DIR",  # stage outputs on the cluster's bucket (LMFORGE_CACHE stays each node's own)
 )
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+API_SERVER = "RAY_API_SERVER_ADDRESS"
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+AGENT_WAIT_S = 60.0  # how long a submission waits for a freshly started head's job agent
 
 
 def client(address: str) -> Any:
+    """Ray's Jobs client for `address`, which wins here: Ray lets `RAY_API_SERVER_ADDRESS` / `RAY_ADDRESS` override the
+    argument (an exported GCS address then made `--address` a dead letter and the client wait on the GCS)."""
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(address)
+    saved = os.environ.get(API_SERVER)
+    os.environ[API_SERVER] = address
+    try:
+        return JobSubmissionClient(address)
+    finally:
+        if saved is None:
+            os.environ.pop(API_SERVER)
+        else:
+            os.environ[API_SERVER] = saved
+
+
+def jobs_address(given: str | None) -> str:
+    """The Jobs API to talk to: `--address`, else the exported `RAY_API_SERVER_ADDRESS` (what `lmforge up` prints),
+    else an http `RAY_ADDRESS`, else the local default."""
+    exported = os.environ.get("RAY_ADDRESS", "")
+    return given or os.environ.get(API_SERVER) or (exported if "://" in exported else "") or DEFAULT_ADDRESS
 
 
 @contextmanager
@@ -89,9 +109,17 @@ def submit(
     if working_dir:
         runtime_env["working_dir"] = working_dir
         runtime_env["excludes"] = [".venv", "outputs", ".lmforge", "**/__pycache__"]
-    return client(address).submit_job(
-        entrypoint=shlex.join(["lmforge", *args]), runtime_env=runtime_env, submission_id=submission_id
-    )
+    jobs = client(address)
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            return jobs.submit_job(
+                entrypoint=shlex.join(["lmforge", *args]), runtime_env=runtime_env, submission_id=submission_id
+            )
+        except RuntimeError as error:  # a head just started: its job agent registers a few seconds later
+            if "No available agent" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
 
 
 def follow(address: str, job_id: str, poll: float = 1.0) -> Iterator[str]:

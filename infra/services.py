@@ -275,15 +275,28 @@ def ray_token(state_dir: Path) -> tuple[str, Path]:
 
 def ray_env(state_dir: Path, host: str) -> tuple[dict[str, str], str]:
     """The environment a Ray node of `lmforge up` runs with, and its token: token auth on, deliberately (Ray
-    2.60 turns it on by default and a health check without the token gets 401), and on loopback a node address
-    that stays loopback (`ray start` otherwise swaps 127.0.0.1 for the host's outward address)."""
+    2.60 turns it on by default and a health check without the token gets 401), on loopback a node address
+    that stays loopback (`ray start` otherwise swaps 127.0.0.1 for the host's outward address), and this
+    environment's `bin/` first on the PATH, so a submitted job finds `lmforge` though no one activated it."""
     token, path = ray_token(state_dir)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
+    path_dirs = [str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(path),
+        "PATH": os.pathsep.join(d for d in path_dirs if d),
+    }
     env.pop("RAY_AUTH_TOKEN", None)
     env.pop("RAY_ADDRESS", None)
     if is_loopback(host):
-        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # node IP = loopback (ray/_private/services.py)
+        env.update(LOOPBACK_RAY)
     return env, token
+
+
+# a Ray process whose node address stays loopback (ray/_private/services.py `get_node_ip_address`): the head of
+# `lmforge up --host 127.0.0.1`, and any driver that connects to it (`ray.init()` otherwise waits on the host's
+# outward address, where the head does not listen)
+LOOPBACK_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 RAY_WORKER_PORTS = range(10002, 20000)  # `ray start`'s default --min-worker-port..--max-worker-port

@@ -41,7 +41,12 @@ def report(recipe: Recipe, inputs: Inputs, model: TrainedModel) -> str:
     ]
     if recipe.tracking.enabled:
         uri = tracking_uri(recipe.tracking, recipe.output_dir)
-        lines.append(f"browse it: .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000")
+        server = uri.startswith(("http://", "https://"))
+        lines.append(
+            f"browse it: {uri}"
+            if server
+            else f"browse it: .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
+        )
     return "\n".join(lines)
 
 

@@ -1,22 +1,26 @@
 """`lmforge up` on a default install: Prefect, MLflow and a token-authenticated Ray head come up healthy, every
-socket their processes listen on is loopback, each UI answers, and `lmforge down` ends exactly those processes."""
+socket their processes listen on is loopback, each UI answers, the exports it prints run a user's journey exactly as
+shown (from a shell that activated nothing: `ray.init()` connects, `lmforge submit pretrain` succeeds with its
+outputs where the user's output_dir says and its run in MLflow), and `lmforge down` ends exactly those processes."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
 
 from infra.services import free_port, load_state, members
-from tests.pretrain_helpers import clean_env, lmforge_command
+from tests.pretrain_helpers import clean_env, lmforge_command, smoke_overrides, with_sets
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -50,8 +54,55 @@ def status(proc: psutil.Process) -> str | None:
         return None
 
 
+def printed_exports(stdout: str) -> dict[str, str]:
+    """The variables of every `export A=1 B=2` line `lmforge up` printed."""
+    lines = [
+        line.strip().removeprefix("export ")
+        for line in stdout.splitlines()
+        if line.strip().startswith("export ")
+    ]
+    return dict(item.split("=", 1) for line in lines for item in line.split())
+
+
+def journey(stdout: str, env: dict[str, str], home: Path) -> None:
+    """What a user does next, in `home`, with only the printed exports: `ray.init()` connects (it waited forever on
+    the host's outward address); `lmforge submit pretrain smoke` with a relative output_dir succeeds though `lmforge`
+    is not on their PATH, its outputs land in `home/outputs` (not Ray's temporary copy), and its run is in MLflow."""
+    import mlflow
+
+    from training.stages.lifecycle import TrainedModel
+
+    user = {**env, **printed_exports(stdout)}
+    connect = "import ray; ray.init(); print('cpus', ray.cluster_resources()['CPU']); ray.shutdown()"
+    connected = subprocess.run(
+        [sys.executable, "-c", connect], capture_output=True, text=True, env=user, timeout=120
+    )
+    assert connected.returncode == 0 and "cpus" in connected.stdout, connected.stderr[-2000:]
+    sets = with_sets(smoke_overrides("outputs", "train.max_steps=4", "train.eval_every=4"))
+    submitted = subprocess.run(
+        lmforge_command("submit", "pretrain", "smoke", *sets),
+        capture_output=True,
+        text=True,
+        env=user,
+        cwd=home,
+    )
+    assert submitted.returncode == 0 and "SUCCEEDED" in submitted.stdout, (
+        submitted.stdout[-3000:] + submitted.stderr[-2000:]
+    )
+    (run_dir,) = (home / "outputs" / "pretrain").iterdir()
+    run = TrainedModel.load(run_dir)
+    tracked = mlflow.MlflowClient(user["LMFORGE_TRACKING_URI"]).get_run(run.mlflow_run_id)
+    assert tracked.info.status == "FINISHED" and "browse it: http" in submitted.stdout
+
+
 def test_up_binds_loopback_and_down_stops_exactly_its_processes(tmp_path):
-    env = {k: v for k, v in clean_env().items() if not k.startswith("RAY_")}
+    env = {
+        k: v for k, v in clean_env().items() if not k.startswith(("RAY_", "LMFORGE_", "MLFLOW_", "PREFECT_"))
+    }
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(
+        d for d in env["PATH"].split(os.pathsep) if d != venv_bin
+    )  # nothing activated
     state = tmp_path / "state"
     ports = [str(free_port()) for _ in range(4)]
     up = subprocess.run(
@@ -94,6 +145,8 @@ def test_up_binds_loopback_and_down_stops_exactly_its_processes(tmp_path):
         assert _get(f"{services['ray'].url}/api/version")[0] in (401, 403)  # token auth is on
         code, version = _get(f"{services['ray'].url}/api/version", {"Authorization": f"Bearer {token}"})
         assert code == 200 and json.loads(version)["ray_version"]
+        (tmp_path / "user").mkdir()
+        journey(up.stdout, env, tmp_path / "user")
 
         again = subprocess.run(
             lmforge_command("up", "--state-dir", str(state)), capture_output=True, text=True, env=env
