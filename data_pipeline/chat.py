@@ -74,6 +74,14 @@ class ChatFormat:
             spans.append((len(before), end + len(self.end_of_turn)))
         return text, spans
 
+    @property
+    def after_turn(self) -> str:
+        """What the format writes after an answer's end-of-turn token when the conversation ends there (lmforge's
+        layout and ChatML: a newline; Llama 3: nothing): the end of a rendered conversation, where the reward model
+        reads its score."""
+        text, spans = self.render(PROBE)
+        return text[spans[-1][1] :]
+
     def prompt(self, messages: Messages) -> str:
         """The conversation's text up to where the assistant's answer starts."""
         if self.template is None:

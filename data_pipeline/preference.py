@@ -40,7 +40,7 @@ from infra.steps import Artifact, Step, run_step
 from infra.storage import MANIFEST, atomic_write_bytes, digest_of
 
 log = logging.getLogger(__name__)
-PREFERENCE_FORMAT_VERSION = 1
+PREFERENCE_FORMAT_VERSION = 2  # 2: after_turn_ids, for the reward model's reading position
 SIDES = ("chosen", "rejected")
 
 
@@ -208,6 +208,9 @@ class PreferenceManifest(Artifact):
     tokenizer_digest: str
     pad_id: int
     seq_len: int
+    # what the chat format writes after an answer's end-of-turn token when the conversation ends there: a whole
+    # side, as the reward model scores it, is its tokens and these (the rendered conversation's end)
+    after_turn_ids: list[int]
     counts: dict[
         str, int
     ]  # pairs per split, plus dropped_identical / dropped_empty / dropped_too_long / truncated
@@ -286,6 +289,7 @@ def _encode_pairs(
         tokenizer_digest=tok.digest,
         pad_id=tok.pad_id,
         seq_len=seq_len,
+        after_turn_ids=tokenizer.encode(fmt.after_turn, add_special_tokens=False).ids,
         counts={**counts, **{split: len(rows) for split, rows in splits.items()}},
         config=cfg.model_dump(mode="json"),
     )
@@ -301,7 +305,8 @@ def read_heldout_pairs(path: str | Path, limit: int | None = None) -> list[Pair]
 
 class PreferenceLoader(SampledLoader):
     """Padded pair batches in the same deterministic, rank-sharded, resumable order as the other loaders;
-    `reference` ((pairs, 2) log-probabilities, row-aligned with the split) rides along when given."""
+    `reference` ((pairs, 2) log-probabilities, row-aligned with the split) rides along when given. `whole`: each
+    side as the reward model scores it (`whole_rows`) instead of next-token inputs and targets."""
 
     def __init__(
         self,
@@ -315,10 +320,12 @@ class PreferenceLoader(SampledLoader):
         shuffle: bool = True,
         accumulation: int = 1,
         reference: np.ndarray | None = None,
+        whole: bool = False,
     ) -> None:
         table = read_rows(Path(manifest.path) / f"{split}.arrow")
         self.columns = {name: table.column(name) for name in table.schema.names}
         self.seq_len, self.pad_id = manifest.seq_len, manifest.pad_id
+        self.after_turn = np.array(manifest.after_turn_ids, dtype=np.int64) if whole else None
         if reference is not None and len(reference) != len(table):
             raise DataError(
                 f"{manifest.path}: {len(reference)} reference log-probabilities for {len(table)} {split} pairs; "
@@ -342,7 +349,24 @@ class PreferenceLoader(SampledLoader):
             self._row(side, int(i)) for side in SIDES for i in indices
         ]  # every chosen row, then every rejected
         reference = None if self.reference is None else torch.from_numpy(self.reference[indices])
+        if self.after_turn is not None:
+            return PairBatch(
+                *whole_rows([ids for ids, _ in rows], self.after_turn, self.seq_len, self.pad_id), reference
+            )
         return PairBatch(*padded_rows(rows, self.seq_len, self.pad_id), reference)
+
+
+def whole_rows(
+    sides: list[np.ndarray], after_turn: np.ndarray, width: int, pad_id: int
+) -> tuple[Tensor, Tensor]:
+    """Sides as the reward model scores them, (len(sides), width) right-padded with `pad_id`: each side's tokens
+    (which end with the answer's end-of-turn token unless the answer was cut) and then `after_turn`, the end of the
+    rendered conversation, at most `width` tokens; no targets (all IGNORE_INDEX)."""
+    inputs = torch.full((len(sides), width), pad_id, dtype=torch.int64)
+    for row, ids in enumerate(sides):
+        tokens = torch.from_numpy(np.concatenate([ids.astype(np.int64), after_turn])[:width])
+        inputs[row, : len(tokens)] = tokens
+    return inputs, torch.full_like(inputs, IGNORE_INDEX)
 
 
 def preference_loaders(
@@ -354,11 +378,12 @@ def preference_loaders(
     seed: int,
     accumulation: int,
     reference: Callable[[str], np.ndarray] | None = None,
+    whole: bool = False,
 ) -> tuple[PreferenceLoader, PreferenceLoader]:
     """A training stage's pairs: the training split shuffled (epochs of whole optimiser steps) and the held-out
     split in order — one smaller than a batch per rank is still scored, in smaller batches. `reference(split)`:
-    that split's reference log-probabilities (DPO)."""
-    common = {"rank": rank, "world_size": world_size}
+    that split's reference log-probabilities (DPO); `whole`: sides as the reward model scores them."""
+    common = {"rank": rank, "world_size": world_size, "whole": whole}
     train = PreferenceLoader(
         manifest,
         "train",

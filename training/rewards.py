@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from data_pipeline.chat import chat_format
 from data_pipeline.prompts import Prompt
 from data_pipeline.sources import DataError
+from data_pipeline.tokenizer import describe
 from training.config import RewardTerm
 from training.model.reward import RewardModel, load_reward_model
 from training.verifiable import SandboxLimits, run_python_tests
@@ -97,12 +99,20 @@ def unit_tests_reward(timeout_s: float) -> ScoreFn:
     return score
 
 
-def reward_model_reward(model: RewardModel, max_len: int, batch_size: int = 16) -> ScoreFn:
+def reward_model_reward(
+    model: RewardModel, reading: ReadingPosition, max_len: int, batch_size: int = 16
+) -> ScoreFn:
+    """The reward model's score of each completion, read where it was trained to read: a completion that ended its
+    turn is followed by what the chat format writes after the end-of-turn token, as in the reward model's data."""
+
     @torch.no_grad()
     def score(samples: Sequence[Sample]) -> list[float]:
         rewards: list[float] = []
         for start in range(0, len(samples), batch_size):
-            rows = [(s.prompt_ids + s.completion_ids)[:max_len] for s in samples[start : start + batch_size]]
+            rows = [
+                reading.row(s.prompt_ids, s.completion_ids)[:max_len]
+                for s in samples[start : start + batch_size]
+            ]
             tokens = torch.full((len(rows), max(map(len, rows))), model.pad_id, dtype=torch.int64)
             for i, row in enumerate(rows):
                 tokens[i, : len(row)] = torch.tensor(row)
@@ -110,6 +120,29 @@ def reward_model_reward(model: RewardModel, max_len: int, batch_size: int = 16) 
         return rewards
 
     return score
+
+
+@dataclass(frozen=True)
+class ReadingPosition:
+    """Where the reward model reads a conversation: its last token as the chat format renders it, i.e. after the
+    answer's end-of-turn token and what the format writes after it (`ChatFormat.after_turn`), the same in its
+    training and held-out scoring (`PreferenceLoader(whole=True)`), in RL and for a client that scores
+    `apply_chat_template` text with the Hugging Face export."""
+
+    end_of_turn: int
+    after_turn: tuple[int, ...]
+
+    @classmethod
+    def of(cls, export_dir: Path) -> ReadingPosition:
+        tok = describe(export_dir)
+        fmt, tokenizer = chat_format(tok), tok.load()
+        after = tokenizer.encode(fmt.after_turn, add_special_tokens=False).ids
+        return cls(tokenizer.token_to_id(fmt.end_of_turn), tuple(after))
+
+    def row(self, prompt_ids: list[int], completion_ids: list[int]) -> list[int]:
+        """The tokens to score: a completion that ended its turn gets the format's ending after it."""
+        ended = bool(completion_ids) and completion_ids[-1] == self.end_of_turn
+        return [*prompt_ids, *completion_ids, *(self.after_turn if ended else ())]
 
 
 def user_function(path: str) -> ScoreFn:
@@ -156,8 +189,9 @@ class Rewards:
         self.functions: dict[str, ScoreFn] = {}
         for term in terms:
             if term.function == "reward_model":
+                export = Path(str(reward_model))
                 self.functions[term.name] = reward_model_reward(
-                    load_reward_model(Path(str(reward_model))), max_len
+                    load_reward_model(export), ReadingPosition.of(export), max_len
                 )
             elif term.function == "length":
                 self.functions[term.name] = length_reward(term.target_tokens)

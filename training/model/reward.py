@@ -16,6 +16,11 @@ from training.model.export import copy_tokenizer_files, fresh_staging, publish_e
 from training.model.hf_interop import build_hf_model, load_hf_config, to_hf_state_dict
 from training.model.transformer import ModelOutput, Transformer, router_loss
 
+READING_POSITION = (
+    "the last token of the conversation as the tokenizer's chat template renders it (apply_chat_template, "
+    "no generation prompt): after the answer's end-of-turn token and what the template writes after it"
+)
+
 
 class RewardModel(nn.Module):
     """tokens (B, T) -> rewards as `ModelOutput.logits` (B, 1); rows are right-padded with `pad_id`."""
@@ -77,6 +82,7 @@ def export_reward_model(model: RewardModel, tokenizer_dir: Path, out: Path) -> d
     # the logit multiplier belongs to the LM head, which a reward model does not have
     state = to_hf_state_dict(model.state_dict(), cfg.model_copy(update={"output_mult": 1.0}))
     hf_model.load_state_dict(state, strict=True)
+    hf_model.config.reward_position = READING_POSITION  # said where a client reads the config
     staging = fresh_staging(out)
     hf_model.save_pretrained(str(staging), safe_serialization=True)
     copy_tokenizer_files(tokenizer_dir, staging, cfg.max_seq_len)

@@ -77,11 +77,13 @@ def heldout_scores(
     """Held-out pairs under the trained reward model: pairwise accuracy, mean reward margin, and the Pearson
     correlation of each response's reward with its mean token loss under the base language model `lm`."""
     loader = PreferenceLoader(data, "heldout", batch_size=1, shuffle=False)
+    scored = PreferenceLoader(data, "heldout", batch_size=1, shuffle=False, whole=True)
     rewards, losses = [], []
     model.eval()
     for start in range(0, min(limit, len(loader)), batch_size):
-        batch = loader.batch_of(np.arange(start, min(start + batch_size, limit, len(loader))))
-        rewards.append(torch.stack(model(batch.inputs).logits.squeeze(-1).chunk(2), dim=1))
+        indices = np.arange(start, min(start + batch_size, limit, len(loader)))
+        batch = loader.batch_of(indices)
+        rewards.append(torch.stack(model(scored.batch_of(indices).inputs).logits.squeeze(-1).chunk(2), dim=1))
         logps, counts = sequence_logps(lm(batch.inputs).logits, batch.targets)
         losses.append(torch.stack((-logps / counts.clamp(min=1)).chunk(2), dim=1))
     r, loss = torch.cat(rewards).double(), torch.cat(losses).double()
@@ -115,6 +117,7 @@ class RewardModelling(TunedFromBase):
             world_size=world,
             seed=train.seed,
             accumulation=train.grad_accum_steps(world),
+            whole=True,
         )
 
     def objective(self, job: TrainingJob) -> RewardObjective:
