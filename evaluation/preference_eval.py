@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from data_pipeline.chat import chat_format
 from data_pipeline.preference import Pair, encode_side, fit_to_context
 from data_pipeline.sft import padded_rows
 from evaluation.model_io import EvalModel
@@ -14,10 +15,10 @@ from training.stages.dpo import sequence_logps
 @torch.no_grad()
 def preference_metrics(em: EvalModel, pairs: list[Pair], batch_size: int) -> dict[str, float]:
     """`accuracy` (log π(chosen) > log π(rejected)), the mean log-probability margin, and how many pairs fit."""
-    rows = []
+    rows, fmt = [], chat_format(em.tokenizer_ref)
     for pair in pairs:
         sides = [
-            fit_to_context(*encode_side(em.tokenizer, pair.prompt, r), em.max_len)
+            fit_to_context(*encode_side(em.tokenizer, fmt, pair.prompt, r), em.max_len)
             for r in (pair.chosen, pair.rejected)
         ]
         if None not in sides:
