@@ -23,6 +23,7 @@ from data_pipeline.preference import (
     PreferenceLoader,
     derive_pairs,
     encode_side,
+    garbled,
     is_noise,
     read_heldout_pairs,
     read_pairs,
@@ -77,6 +78,15 @@ def test_garbled_pairs_replace_a_third_of_the_answer_with_byte_noise_and_modes_m
     mixed = derive_pairs(CONVERSATIONS, ["swapped", "garbled"], seed=3)
     assert all(sorted(p.rejected.split()) == sorted(p.chosen.split()) for p in mixed[::2])
     assert all(any(map(is_noise, p.rejected)) for p in mixed[1::2])
+
+
+def test_garbled_noise_draws_every_utf8_width_equally() -> None:
+    """Noise characters of one, two, three and four UTF-8 bytes, each about a quarter of the draws (4,000 of
+    them: a width never drawn, or drawn at half its rate, is far outside the binomial spread of ±3%)."""
+    noise = garbled("x" * 12_000, np.random.default_rng(0))
+    widths = [len(c.encode("utf-8", "surrogatepass")) for c in noise if c != "x"]
+    shares = [widths.count(w) / len(widths) for w in (1, 2, 3, 4)]
+    assert len(widths) == 4000 and all(abs(share - 0.25) < 0.03 for share in shares), shares
 
 
 def test_the_mask_covers_the_final_answer_only(tok: TokenizerRef) -> None:

@@ -146,3 +146,34 @@ def test_two_builds_of_one_key_at_once_build_it_once(tmp_path: Path) -> None:
         len(set(keys)) == 1
         and len((tmp_path / "processes" / "notes" / "builds.log").read_text().split()) == 1
     )
+
+
+def test_relocated_rebases_the_run_and_its_root_and_nothing_beside_them(tmp_path: Path) -> None:
+    """A manifest written under /old/outputs and read from a moved copy: paths into its own directory and into the
+    old output root follow the move; a sibling of the root that shares its prefix (`outputs-old`) and paths outside
+    it stay as written."""
+    from infra.steps import relocated
+
+    old = "/old/outputs/sft/run-1"
+    here = tmp_path / "new" / "outputs" / "sft" / "run-1"
+    here.mkdir(parents=True)
+    manifest = {
+        "path": old,
+        "checkpoint": f"{old}/checkpoints/step-10",
+        "base": "/old/outputs/pretrain/base-2/hf",
+        "root": "/old/outputs",
+        "sibling": "/old/outputs-old/pretrain/base-2/hf",
+        "prefix": "/old/outputs/sft/run-10/hf",
+        "outside": "/data/corpus.jsonl",
+    }
+    moved = relocated(manifest, here)
+    new_root = str(tmp_path / "new" / "outputs")
+    assert (
+        moved["path"] == str(here.resolve())
+        and moved["checkpoint"] == f"{here.resolve()}/checkpoints/step-10"
+    )
+    assert moved["base"] == f"{new_root}/pretrain/base-2/hf" and moved["root"] == new_root
+    assert (
+        moved["prefix"] == f"{new_root}/sft/run-10/hf"
+    )  # another run of the root, not this one's name prefix
+    assert moved["sibling"] == manifest["sibling"] and moved["outside"] == manifest["outside"]

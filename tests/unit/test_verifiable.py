@@ -34,6 +34,15 @@ def test_a_completion_that_never_ends_costs_its_timeout_only() -> None:
     assert time.monotonic() - start < 10
 
 
+def test_a_sleeping_completion_is_stopped_by_the_wall_clock() -> None:
+    """A program that sleeps uses no CPU, so only the wall-clock timeout can end it: status `timeout`, within a
+    few seconds of the limit (a missing timeout would wait the program's 120 s out)."""
+    start = time.monotonic()
+    verdict = run_python_tests("import time\ntime.sleep(120)\n" + ADD, TESTS, SandboxLimits(wall_seconds=1.5))
+    assert (verdict.reward, verdict.status) == (0.0, "timeout")
+    assert time.monotonic() - start < 8
+
+
 def test_memory_and_disk_bombs_are_stopped_by_the_limits() -> None:
     memory = run_python_tests("blob = bytearray(4 << 30)\n" + ADD, TESTS)
     assert memory.reward == 0.0 and "MemoryError" in memory.detail
