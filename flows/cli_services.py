@@ -215,7 +215,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     if "ray" in urls:
         token = state / "ray_auth_token"
         token_path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(token)
-        loopback = " ".join(f"{k}={v}" for k, v in LOOPBACK_RAY.items()) + " " if is_loopback(args.host) else ""
+        loopback = (
+            " ".join(f"{k}={v}" for k, v in LOOPBACK_RAY.items()) + " " if is_loopback(args.host) else ""
+        )
         print(
             f"  export RAY_ADDRESS={args.host}:{args.ray_port} RAY_API_SERVER_ADDRESS={urls['ray']} {loopback}"
             f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token_path}"

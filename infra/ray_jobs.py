@@ -114,7 +114,9 @@ def submit(
     while True:
         try:
             return jobs.submit_job(
-                entrypoint=shlex.join(["lmforge", *args]), runtime_env=runtime_env, submission_id=submission_id
+                entrypoint=shlex.join(["lmforge", *args]),
+                runtime_env=runtime_env,
+                submission_id=submission_id,
             )
         except RuntimeError as error:  # a head just started: its job agent registers a few seconds later
             if "No available agent" not in str(error) or time.monotonic() > deadline:

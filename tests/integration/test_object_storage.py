@@ -296,5 +296,7 @@ def test_a_model_directory_on_the_store_is_imported_by_uri(s3, tmp_path: Path) -
     for file in local.iterdir():
         store.upload(file, file.name)
     remote = load_model(uri, tmp_path / "outputs")
-    assert remote.kind == "imported" and remote.source_model is not None and remote.source_model.startswith(uri)
+    assert (
+        remote.kind == "imported" and remote.source_model is not None and remote.source_model.startswith(uri)
+    )
     assert load_model(local, tmp_path / "outputs").key == remote.key
