@@ -366,3 +366,27 @@ def test_the_gates_walk_the_candidates_lineage() -> None:
     # replayed (the demo's SFT now: 1.8285), the whole lineage passes
     report.metrics["heldout/all/bits_per_byte"] |= {"lora": 1.8285, "rl-full": 1.8521}
     assert all(gate_results(report, "rl-full", "lora", rl, EvalConfig())[0].values())
+
+
+def test_the_gates_walk_the_whole_lineage_not_one_step() -> None:
+    """`rl --base <a DPO run>`: RL from DPO from a LoRA SFT from the pretrained model. The SFT two steps above the
+    candidate's base still meets its own gates against the pretrained model (and fails the one it forgot on)."""
+    from types import SimpleNamespace
+
+    from evaluation.config import EvalConfig
+    from evaluation.gates import gate_results
+    from evaluation.report import EvalReport
+
+    models = {
+        "pretrain": {"run_dir": "/runs/pretrain", "kind": "pretrain", "base_run_dir": None},
+        "lora": {"run_dir": "/runs/sft", "kind": "lora", "base_run_dir": "/runs/pretrain"},
+        "dpo-full": {"run_dir": "/runs/dpo", "kind": "dpo-full", "base_run_dir": "/runs/sft"},
+        "rl-full": {"run_dir": "/runs/rl", "kind": "rl-full", "base_run_dir": "/runs/dpo"},
+    }
+    bits = {"pretrain": 1.81, "lora": 1.99, "dpo-full": 1.99, "rl-full": 1.99}
+    report = EvalReport.model_construct(models=models, metrics={"heldout/all/bits_per_byte": bits})
+    rl = SimpleNamespace(export_valid=True, kind="rl-full")
+    gates, skipped = gate_results(report, "rl-full", "dpo-full", rl, EvalConfig())
+    assert gates["heldout/all/bits_per_byte"] and gates["dpo-full vs lora/heldout/all/bits_per_byte"]
+    assert gates["lora vs pretrain/heldout/all/bits_per_byte"] is False  # +10% against the pretrained model
+    assert "lora vs pretrain/sft-heldout-em/response_loss" in skipped  # not measured here, named
