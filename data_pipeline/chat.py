@@ -136,6 +136,20 @@ def saved_template(directory: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def chat_token_ids(tok: TokenizerRef) -> list[int]:
+    """The special tokens a conversation in this tokenizer's chat format is written with (role markers,
+    end-of-turn; a template's begin-of-text too): the rows a tuned model must learn to read and write."""
+    fmt, tokenizer = chat_format(tok), tok.load()
+    specials = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    try:
+        text = fmt.render([{"role": "system", "content": "Be brief."}, *PROBE])[0]
+    except DataError:  # a template without a system role
+        text = fmt.render(PROBE)[0]
+    text += fmt.prompt(PROBE)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    return sorted({i for i in ids if tokenizer.id_to_token(i) in specials})
+
+
 @functools.lru_cache(maxsize=32)
 def chat_format(tok: TokenizerRef) -> ChatFormat:
     """The format conversations take with this tokenizer: its template's, or lmforge's own layout."""

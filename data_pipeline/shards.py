@@ -249,6 +249,15 @@ class ShardReader:
         return np.concatenate([np.diff(np.concatenate([[0], ends])) for ends in self.documents])
 
 
+def token_counts(manifest: DatasetManifest, vocab_size: int, split: str = "train") -> np.ndarray:
+    """How often each token id occurs in the split (one pass over its memory-mapped shards)."""
+    reader = ShardReader(manifest, split)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for array in reader.arrays:
+        counts += np.bincount(array, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 def training_documents(manifest: DatasetManifest, split: str = "train") -> Iterator[str]:
     """The split's documents decoded back to text, in shard order (for contamination checks)."""
     from tokenizers import Tokenizer

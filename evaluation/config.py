@@ -19,20 +19,25 @@ GAIN_LOW = "rl/heldout_reward_gain_low"  # an RL model's held-out reward gain ov
 
 class Gate(BaseModel):
     """A registry gate: the candidate may be worse than its base on `metric` by at most `tolerance` (relative to
-    the base's value); with `improve`, it must be strictly better. Lower is better for losses, bits per byte and
-    perplexity, higher for everything else (accuracies, exact match)."""
+    the base's value); with `improve`, it must be strictly better; with `at_least`, it must reach that value
+    whatever its base's (a stop rate). Lower is better for losses, bits per byte and perplexity, higher for
+    everything else (accuracies, exact match, stop rates)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     metric: str
     tolerance: float = Field(0.0, ge=0)
     improve: bool = False
+    at_least: float | None = None
 
     @property
     def lower_is_better(self) -> bool:
         return self.metric.rsplit("/", 1)[-1] in LOWER_IS_BETTER
 
-    def passes(self, candidate: float, base: float) -> bool:
+    def passes(self, candidate: float, base: float | None) -> bool:
+        if self.at_least is not None:
+            return candidate >= self.at_least
+        assert base is not None, "a relative gate needs the base's value"
         sign = 1.0 if self.lower_is_better else -1.0  # sign * value: lower is better
         ours, theirs = sign * candidate, sign * base
         if self.improve:
@@ -40,8 +45,12 @@ class Gate(BaseModel):
         return ours <= theirs + self.tolerance * abs(base)
 
 
+STOPS = Gate(
+    metric="sft-heldout-em/stop_rate", at_least=0.9
+)  # a tuned model ends its turn (greedy, held out)
 DEFAULT_GATES = (
     Gate(metric="sft-heldout-em/response_loss", improve=True),  # fine-tuning did what it was for
+    STOPS,
     Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # without forgetting the pretraining text
     Gate(metric="stdlib-import-mc/acc", tolerance=0.10),  # or the downstream task
 )
@@ -50,12 +59,14 @@ DEFAULT_DPO_GATES = (  # a preference-tuned model against the model it started f
         metric="preference-heldout/logp_margin", improve=True
     ),  # it prefers the chosen answers more strongly
     Gate(metric="preference-heldout/accuracy"),  # and no less often
+    STOPS,
     Gate(metric="sft-heldout-em/response_loss", tolerance=0.05),  # without unlearning the answers
     Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # or the pretraining text
 )
 DEFAULT_RL_GATES = (  # an RL model against the model it started from
     # the reward rose on held-out prompts beyond its draws' noise: the lower end of the gain's 95% interval
     Gate(metric=GAIN_LOW, improve=True),  # (paired over the prompts) above the base's 0
+    STOPS,
     Gate(metric="sft-heldout-em/response_loss", tolerance=0.05),  # the tax: the answers are not unlearned
     Gate(metric="heldout/all/bits_per_byte", tolerance=0.02),  # nor the pretraining text
 )

@@ -30,7 +30,7 @@ def gate_results(
         for gate in cfg.gates_for(kind):
             ours = report.value(gate.metric, ours_name)
             theirs = report.value(gate.metric, base_name) if base_name not in (None, ours_name) else None
-            if ours is None or theirs is None:
+            if ours is None or (theirs is None and gate.at_least is None):
                 skipped.append(prefix + gate.metric)
             else:
                 gates[prefix + gate.metric] = gate.passes(ours, theirs)

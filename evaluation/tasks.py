@@ -226,13 +226,18 @@ def run_task(em: EvalModel, task: Task, batch_size: int, max_new_tokens: int) ->
             rows, generate_greedy(em.model, prompts, max_new_tokens, stop, batch_size), strict=True
         ):
             generated[i] = out
+    stopped = 0
     for item, (ids, cut) in zip(items, generated, strict=True):
         text = em.tokenizer.decode(ids)
         for stop in item.stop:
             text = text.split(stop)[0]
         hits += text.strip() == item.target.strip()
         truncated += cut
+        stopped += len(ids) < max_new_tokens  # the stop token came within the budget (it is cut off the ids)
     scored = score_continuations(em.model, requests, batch_size)
     response_loss = -sum(s.logprob for s in scored) / sum(s.n_tokens for s in scored)
     n = len(task.items)
-    return {"exact_match": hits / n, "response_loss": response_loss, "n": n, "truncated": truncated}
+    metrics = {"exact_match": hits / n, "response_loss": response_loss, "n": n, "truncated": truncated}
+    if all(item.turns is not None for item in task.items):  # a chat task: does the model end its turn?
+        metrics["stop_rate"] = stopped / n
+    return metrics

@@ -212,6 +212,9 @@ class LoraSettings(BaseModel):
         "down_proj",
     )
     experts: bool = False  # also adapt MoE experts' stacked weights (PEFT target_parameters)
+    # also train the embedding (and output) rows of the chat format's special tokens (role markers, end-of-turn) as
+    # PEFT trainable token rows: a model pretrained on plain text never saw them, and LoRA alone cannot end a turn
+    train_chat_tokens: bool = True
 
 
 class PretrainConfig(BaseModel):

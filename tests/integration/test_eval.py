@@ -60,6 +60,8 @@ def test_report_compares_models_side_by_side(trained):
     # fine-tuning on the SFT set lowers its held-out response loss
     rl = report.metrics["sft-heldout-em/response_loss"]
     assert rl["lora"] < rl["pretrain"]
+    stops = report.metrics["sft-heldout-em/stop_rate"]  # each model's share of held-out prompts it ends
+    assert set(stops) == {"pretrain", "lora"} and all(0.0 <= v <= 1.0 for v in stops.values())
     assert report.metrics["lora/mean_effective_rank"]["lora"] <= recipe.sft.lora.r
     assert report.metrics["eval/tokens_per_s"]["pretrain"] > 0
     assert set(report.samples) == {"pretrain", "lora"} and len(report.samples["lora"]) == len(

@@ -300,10 +300,10 @@ def test_gates_compare_in_each_metrics_direction_and_name_what_was_not_measured(
         "heldout/all/bits_per_byte": False,
         "stdlib-import-mc/acc": True,
     }
-    assert skipped == ["sft-heldout-em/response_loss"]
+    assert skipped == ["sft-heldout-em/response_loss", "sft-heldout-em/stop_rate"]
     assert describe_gates(gates, skipped) == (
         "checked export_verified pass, heldout/all/bits_per_byte FAIL, stdlib-import-mc/acc pass; "
-        "not checked (not measured): sft-heldout-em/response_loss"
+        "not checked (not measured): sft-heldout-em/response_loss, sft-heldout-em/stop_rate"
     )
     # a preference-tuned candidate: the log-prob margin must grow, accuracy must not fall, response loss within 5%
     report = EvalReport.model_construct(
@@ -313,17 +313,22 @@ def test_gates_compare_in_each_metrics_direction_and_name_what_was_not_measured(
             "preference-heldout/logp_margin": {"lora": 10.0, "dpo-full": 9.0},
             "sft-heldout-em/response_loss": {"lora": 2.0, "dpo-full": 2.12},
             "heldout/all/bits_per_byte": {"lora": 2.0, "dpo-full": 2.01},
+            "sft-heldout-em/stop_rate": {"lora": 0.95, "dpo-full": 0.85},
         },
     )
     dpo = SimpleNamespace(export_valid=True, kind="dpo-full")
     gates, skipped = gate_results(report, "dpo-full", "lora", dpo, cfg)
-    assert gates == {
-        "export_verified": True,
-        "preference-heldout/logp_margin": False,  # a margin must grow
-        "preference-heldout/accuracy": True,
-        "sft-heldout-em/response_loss": False,  # 6% worse
-        "heldout/all/bits_per_byte": True,
-    }
+    assert (
+        gates
+        == {
+            "export_verified": True,
+            "preference-heldout/logp_margin": False,  # a margin must grow
+            "preference-heldout/accuracy": True,
+            "sft-heldout-em/stop_rate": False,  # ends its turn on 85% of the prompts: below 90%, whatever the base's
+            "sft-heldout-em/response_loss": False,  # 6% worse
+            "heldout/all/bits_per_byte": True,
+        }
+    )
     assert skipped == []
 
 
@@ -349,6 +354,7 @@ def test_the_gates_walk_the_candidates_lineage() -> None:
             "sft-heldout-em/response_loss": {"pretrain": 3.438, "lora": 2.630, "rl-full": 2.652},
             "stdlib-import-mc/acc": {"pretrain": 0.35, "lora": 0.34, "rl-full": 0.33},
             "rl/heldout_reward_gain_low": {"lora": 0.0, "rl-full": 0.018},
+            "sft-heldout-em/stop_rate": {"pretrain": 0.0, "lora": 0.95, "rl-full": 0.92},
         },
     )
     rl = SimpleNamespace(export_valid=True, kind="rl-full")
@@ -356,6 +362,8 @@ def test_the_gates_walk_the_candidates_lineage() -> None:
     assert gates == {
         "export_verified": True,
         "rl/heldout_reward_gain_low": True,
+        "sft-heldout-em/stop_rate": True,
+        "lora vs pretrain/sft-heldout-em/stop_rate": True,  # the pretrained model's 0 is no bar
         "sft-heldout-em/response_loss": True,
         "heldout/all/bits_per_byte": True,  # +0.6% against the SFT
         "lora vs pretrain/sft-heldout-em/response_loss": True,

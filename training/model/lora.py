@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import types
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -51,26 +54,78 @@ def check_targets(model: Transformer, cfg: LoraSettings) -> None:
         raise ValueError("finetune.lora.experts=true needs a model with MoE layers; set it to false")
 
 
-def lora_config(cfg: LoraSettings, model: Transformer):  # noqa: ANN201 - peft's LoraConfig
+def lora_config(cfg: LoraSettings, model: Transformer, chat_tokens: Sequence[int] = ()):  # noqa: ANN201
+    """PEFT's LoraConfig: the adapters, and the chat format's special tokens' embedding rows (and, untied, their
+    output rows) as trainable token rows when `cfg.train_chat_tokens`."""
     from peft import LoraConfig
 
+    tokens = sorted(set(chat_tokens)) if cfg.train_chat_tokens else []
+    rows = {"embed_tokens": tokens} | ({} if model.cfg.tie_embeddings else {"lm_head": tokens})
     return LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=list(cfg.target_modules),
         target_parameters=list(EXPERT_PARAMETERS) if cfg.experts and model.cfg.moe is not None else None,
+        trainable_token_indices=rows if tokens else None,
         bias="none",
     )
 
 
-def apply_lora(model: Transformer, cfg: LoraSettings) -> nn.Module:
-    """Wrap `model` in a PEFT model whose only trainable parameters are the adapters (deterministic init)."""
+def apply_lora(model: Transformer, cfg: LoraSettings, chat_tokens: Sequence[int] = ()) -> nn.Module:
+    """Wrap `model` in a PEFT model whose only trainable parameters are the adapters and the rows of
+    `chat_tokens` (role markers, end-of-turn: `data_pipeline.chat.chat_token_ids`), deterministically."""
     from peft import get_peft_model
 
     check_targets(model, cfg)
     torch.manual_seed(0)  # PEFT draws lora_A with the global generator: fix it so runs repeat
-    return get_peft_model(model, lora_config(cfg, model))
+    show_tied_head(model)
+    return get_peft_model(model, lora_config(cfg, model, chat_tokens))
+
+
+def show_tied_head(model: Transformer) -> None:
+    """Give our model what PEFT reads of a transformers model to keep a tied output head tied to the trainable
+    token rows (without it the head keeps the old rows while the embedding learns new ones, and the merged model
+    differs from the one trained): the input embedding, the tie, and the config's flag."""
+    model.get_input_embeddings = types.MethodType(lambda self: self.model.embed_tokens, model)
+    model.config = {"model_type": "lmforge", "tie_word_embeddings": model.cfg.tie_embeddings}
+    if model.cfg.tie_embeddings:
+        model._tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def start_unseen_rows(model: nn.Module, rows: Sequence[int], seen: np.ndarray, seed: int = 0) -> list[int]:
+    """Initialise the chat-token rows (`rows`) whose tokens pretraining never saw (`seen[i]` False), in the trainable
+    token rows of a LoRA model or in the weights of a fully tuned one. Pretraining's softmax pushed every unseen
+    row the same way (the demo's `<|end|>` shared one direction with ~119 other tokens, cosine > 0.999), so a tuned
+    model could not tell end-of-turn from its group. Each starts at the mean of the seen rows plus noise of their
+    per-dimension spread (Hewitt 2021): an average logit and a direction of its own. Returns the rows changed."""
+    unseen = sorted(i for i in set(rows) if not seen[i])
+    generator = torch.Generator().manual_seed(seed)
+    for values, tokens, weight in _row_tables(model):
+        known = weight[torch.from_numpy(seen[: weight.shape[0]])].float()
+        mean, spread = known.mean(0), known.std(0)
+        with torch.no_grad():
+            for position, token in enumerate(tokens):
+                if token in unseen:
+                    noise = torch.randn(mean.shape, generator=generator)
+                    values[position] = (mean + spread * noise).to(values.dtype)
+    return unseen
+
+
+def _row_tables(model: nn.Module) -> list[tuple[Tensor, list[int], Tensor]]:
+    """(rows to write, the token of each row, the full table they come from): each PEFT trainable-token table
+    (a tied head shares its embedding's), else the model's embedding and untied head themselves."""
+    tables = [
+        (m.trainable_tokens_delta["default"], list(m.token_indices["default"]), m.base_layer.weight)
+        for m in model.modules()
+        if hasattr(m, "trainable_tokens_delta") and getattr(m, "tied_adapter", None) is None
+    ]
+    if tables:
+        return tables
+    weights = [model.model.embed_tokens.weight]
+    if not model.cfg.tie_embeddings:
+        weights.append(model.lm_head.weight)
+    return [(w.data, list(range(w.shape[0])), w.data.clone()) for w in weights]
 
 
 def trainable_counts(model: nn.Module) -> tuple[int, int]:

@@ -20,9 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from data_pipeline.chat import chat_token_ids
 from data_pipeline.loader import IGNORE_INDEX, SampledLoader
 from data_pipeline.preference import PairBatch, PreferenceLoader, PreferenceManifest, preference_loaders
 from data_pipeline.sources import DataError
+from data_pipeline.tokenizer import describe
 from infra.steps import Artifact, Step, run_step
 from infra.storage import atomic_write_bytes, atomic_write_json
 from infra.tracking import Tracker
@@ -197,7 +199,9 @@ def heldout_scores(
 def policy_model(base: TrainedModel, spec: DPOSpec) -> nn.Module:
     """The base's verified export (LoRA-merged when the base is an adapter) in fp32, with adapters if asked."""
     model = load_export(base.hf_export).train()
-    return apply_lora(model, spec.lora) if spec.method == "lora" else model
+    if spec.method != "lora":
+        return model
+    return apply_lora(model, spec.lora, chat_token_ids(describe(Path(base.hf_export))))
 
 
 class Preference(TunedFromBase):

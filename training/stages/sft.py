@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data_pipeline.chat import Messages, chat_format
+from data_pipeline.chat import Messages, chat_format, chat_token_ids
 from data_pipeline.loader import MixedLoader, PackedLoader, SampledLoader
 from data_pipeline.sft import SFTLoader, SFTManifest
-from data_pipeline.shards import DatasetManifest
+from data_pipeline.shards import DatasetManifest, token_counts
 from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import TokenizerRef, describe
 from infra.steps import Artifact
@@ -32,7 +32,7 @@ from training.config import SFTSpec
 from training.loop import Batches
 from training.model.config import ModelConfig
 from training.model.hf_interop import load_export, load_hf_config
-from training.model.lora import apply_lora
+from training.model.lora import apply_lora, start_unseen_rows
 from training.model.sampling import greedy_each
 from training.model.transformer import Transformer
 from training.stages.lifecycle import (
@@ -67,14 +67,26 @@ def base_model(base: TrainedModel) -> Transformer:
     return model
 
 
-def build_model(base: TrainedModel, spec: SFTSpec) -> nn.Module:
+def build_model(base: TrainedModel, spec: SFTSpec, corpus: DatasetManifest | None = None) -> nn.Module:
+    """The base, with adapters and trainable chat-token rows for LoRA; the chat tokens pretraining never saw in
+    `corpus` (the base's own token shards) start apart from one another (`start_unseen_rows`)."""
     model = base_model(base)
-    return apply_lora(model, spec.lora) if spec.method == "lora" else model
+    tokens = chat_token_ids(describe(Path(base.hf_export)))
+    tuned = apply_lora(model, spec.lora, tokens) if spec.method == "lora" else model
+    own_corpus = corpus is not None and corpus.tokenizer.digest == base.tokenizer_digest
+    trains_rows = spec.method == "full" or spec.lora.train_chat_tokens
+    if own_corpus and trains_rows and base.kind == "pretrain":
+        seen = token_counts(corpus, model.cfg.vocab_size) > 0
+        fresh = start_unseen_rows(tuned, tokens, seen, spec.train.seed)
+        log.info(
+            "SFT: %d chat tokens pretraining never saw start at the seen rows' mean plus noise", len(fresh)
+        )
+    return tuned
 
 
 class SFT(TrainingStage):
     name = "sft"
-    version = 3  # 3: exported at the base's trained context, not the recipe's longer max_seq_len
+    version = 4  # 4: chat-token rows trained (LoRA) and those pretraining never saw started apart
 
     def check(self, spec: SFTSpec, inputs: Mapping[str, Artifact]) -> None:
         base, data = inputs["base"], inputs["data"]
@@ -104,7 +116,7 @@ class SFT(TrainingStage):
         return base_config(job.inputs["base"])
 
     def build_model(self, job: TrainingJob) -> nn.Module:
-        return build_model(job.inputs["base"], job.spec)
+        return build_model(job.inputs["base"], job.spec, job.inputs.get("corpus"))
 
     def loaders(self, job: TrainingJob, rank: int, world: int) -> tuple[Batches, SampledLoader | None]:
         data: SFTManifest = job.inputs["data"]

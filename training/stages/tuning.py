@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.chat import chat_token_ids
 from data_pipeline.sources import DataError
+from data_pipeline.tokenizer import describe
 from infra.steps import Artifact
 from infra.storage import MANIFEST
 from infra.tracking import Tracker
@@ -113,7 +115,7 @@ def export_tuned(
 
     cfg = base.cfg
     state = fp32_state_dict(final, tie_embeddings=False)
-    tuned = apply_lora(base, lora) if method == "lora" else base
+    tuned = apply_lora(base, lora, chat_token_ids(describe(Path(base_export)))) if method == "lora" else base
     trainable, total = trainable_counts(tuned)
     adapter_dir = None
     if method == "lora":
