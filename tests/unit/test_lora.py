@@ -56,3 +56,47 @@ def test_expert_adapters_need_experts() -> None:
     moe = CFG.model_copy(update={"moe": MoEConfig(n_experts=2, top_k=1, d_ff_expert=32)})
     model = apply_lora(Transformer(moe), LoraSettings(r=2, target_modules=("q_proj",), experts=True))
     assert any("experts" in n and "lora" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chat_token_rows_train_and_a_tied_head_stays_tied(tied: bool) -> None:
+    """The chat tokens' rows are trainable beside the adapters; what they learn reaches the output head too (the
+    same rows when tied), and the merged model is exactly the trained one."""
+    cfg = CFG.model_copy(update={"tie_embeddings": tied})
+    model = apply_lora(Transformer(cfg, seed=1), LoraSettings(r=4), chat_tokens=[5, 7])
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("trainable_tokens_delta" in n for n in names)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "trainable_tokens_delta" in name:
+                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(2)))
+    tokens = torch.tensor([[1, 5, 9, 7, 3]])
+    with torch.no_grad():
+        trained = model(tokens).logits
+        merged = model.merge_and_unload()
+        torch.testing.assert_close(merged(tokens).logits, trained, rtol=0, atol=1e-5)
+    base = Transformer(cfg, seed=1)
+    changed = (merged.lm_head.weight - base.lm_head.weight).abs().sum(1) > 0
+    assert changed.nonzero().flatten().tolist() == [5, 7]  # the head learnt the rows, and only those
+
+
+def test_unseen_chat_rows_start_apart_at_the_seen_rows_mean() -> None:
+    """Rows pretraining pushed into one direction (collapsed here on purpose) start distinct, near the seen rows'
+    mean; a chat token pretraining saw keeps its row."""
+    import numpy as np
+
+    from training.model.lora import start_unseen_rows
+
+    base = Transformer(CFG.model_copy(update={"tie_embeddings": True}), seed=1)
+    with torch.no_grad():
+        base.model.embed_tokens.weight[[5, 7]] = base.model.embed_tokens.weight[60] * 3  # one direction
+    seen = np.ones(CFG.vocab_size, dtype=bool)
+    seen[[5, 7]] = False
+    model = apply_lora(base, LoraSettings(r=4), chat_tokens=[5, 7, 9])
+    assert start_unseen_rows(model, [5, 7, 9], seen) == [5, 7]
+    rows = model.merge_and_unload().model.embed_tokens.weight
+    original = Transformer(CFG.model_copy(update={"tie_embeddings": True}), seed=1).model.embed_tokens.weight
+    assert torch.cosine_similarity(rows[5], rows[7], dim=0) < 0.5
+    assert torch.equal(rows[9], original[9])
+    mean = original[torch.from_numpy(seen)].mean(0)
+    assert (rows[5] - mean).norm() < 2 * (original[torch.from_numpy(seen)] - mean).norm(dim=1).mean()
