@@ -562,3 +562,25 @@ def test_a_rank_slower_than_the_others_is_named(tmp_path: Path) -> None:
     )
     warnings = [line for line in (tmp_path / "rank0.log").read_text().splitlines() if "straggler" in line]
     assert len(warnings) == 1 and "rank 1 (" in warnings[0] and "to step 4" in warnings[0], warnings
+
+
+def test_the_spike_limit_is_sigmas_above_the_mean_and_never_less_than_the_floor() -> None:
+    """`spike_limit`: mean + spike_sigmas·std of the recent window, but at least (1 + spike_min_rise)·mean, so a
+    flat curve (std ~0) does not call every small wobble a spike; None until half the window is known."""
+    from training.config import TrainConfig
+    from training.loop import spike_limit
+
+    cfg = TrainConfig(spike_window=10, spike_sigmas=6.0, spike_min_rise=0.25)
+    assert spike_limit([2.0] * 4, cfg) is None  # fewer than half the window
+    flat = [2.0, 2.001, 1.999, 2.0, 2.0, 2.001]
+    assert spike_limit(flat, cfg) == pytest.approx(2.5, rel=1e-3)  # the floor: 25% above the mean
+    noisy = [
+        2.0,
+        3.0,
+        2.0,
+        3.0,
+        2.0,
+        3.0,
+    ]  # (population) std 0.5: six of them 3.0 above the mean, past the floor's
+    assert spike_limit(noisy, cfg) == pytest.approx(2.5 + 6 * 0.5)  # 0.625
+    assert spike_limit(flat, TrainConfig(spike_window=0)) is None
