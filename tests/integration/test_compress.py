@@ -120,6 +120,13 @@ def test_the_smallest_good_variant_is_registered_and_serves(compress_run) -> Non
         for r in front.rows[1:]
         if r["relative"]["heldout/all/loss"] <= front.tolerance and r["export_valid"]
     ]
+    # what the registry serves is each variant's Hugging Face export, whatever lmforge itself loads (a low-rank
+    # variant's factors, a packed int4 file): its sizes are the export's files, measured here
+    for row in front.rows[1:]:
+        exported = sum(f.stat().st_size for f in Path(row["hf_export"]).glob("*.safetensors"))
+        assert row["served_bytes"] == exported, row["name"]
+    lowrank = next(r for r in front.rows if r.get("method") == "lowrank")
+    assert lowrank["served_bytes"] != lowrank["disk_bytes"]  # dense in the export, factors on disk
     # chosen by what the registry serves (the Hugging Face export), equal sizes by the lower loss
     smallest = min(r["served_bytes"] for r in fits)
     assert chosen["served_bytes"] == smallest
