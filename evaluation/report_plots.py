@@ -18,6 +18,7 @@ HEADLINE = (
     "stdlib-import-mc/acc_norm",
     "sft-heldout-em/exact_match",
     "sft-heldout-em/response_loss",
+    "sft-heldout-em/stop_rate",
 )
 
 
@@ -31,16 +32,34 @@ def write_report_plots(report: Any, out: Path) -> list[Path]:
 
 
 def _metrics(report: Any, path: Path) -> Path | None:
+    """One panel per headline metric: each model's change from the first model (the base, usually the pretrained
+    one) in percent, its value written on the bar, and which direction is better (bars from 0 hid 1.81 vs 1.84)."""
+    from evaluation.config import LOWER_IS_BETTER
+
     # a metric every model scores 0 on (exact match of a tiny model) draws an empty panel: it is in the table
     metrics = [m for m in HEADLINE if m in report.metrics and any(report.metrics[m].values())]
     if not metrics:
         return None
     names = list(report.models)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.4 * len(metrics), 3.6), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
-        values = [report.metrics[metric].get(n) or 0.0 for n in names]
-        ax.bar(names, values, color=plt.cm.tab10(np.arange(len(names))))
-        ax.set_title(metric, fontsize=8)
+        values = [report.metrics[metric].get(n) for n in names]
+        base = next((v for v in values if v), None)
+        change = [100.0 * (v - base) / abs(base) if v is not None and base else 0.0 for v in values]
+        bars = ax.bar(names, change, color=plt.cm.tab10(np.arange(len(names))))
+        for bar, value in zip(bars, values, strict=True):
+            label = "n/a" if value is None else f"{value:.4g}"
+            ax.annotate(
+                label,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                fontsize=6,
+                va="bottom" if bar.get_height() >= 0 else "top",
+            )
+        ax.axhline(0, color="black", lw=0.6)
+        better = "lower" if metric.rsplit("/", 1)[-1] in LOWER_IS_BETTER else "higher"
+        ax.set_title(f"{metric}\n({better} is better)", fontsize=8)
+        ax.set_ylabel(f"change vs {names[0]} (%)", fontsize=7)
         ax.tick_params(axis="x", labelsize=7, rotation=20)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -64,7 +83,7 @@ def _ranks(report: Any, path: Path) -> Path | None:
     ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2, keys, rotation=90, fontsize=6)
     ax.set_ylabel("effective rank / max rank")
     ax.set_title("Effective rank of weight matrices")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -72,15 +91,40 @@ def _ranks(report: Any, path: Path) -> Path | None:
 
 
 def _lora(report: Any, path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, spectra in report.spectra.items():
-        for module, values in list(spectra.get("lora", {}).items())[:12]:
+    """Every adapted module's normalised singular values (none left out), coloured by projection (the legend counts
+    the modules of each) and styled by model."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    colours, styles = plt.cm.tab10.colors, ["-", "--", ":"]
+    kinds: dict[str, int] = {}
+    models = {name: spectra["lora"] for name, spectra in report.spectra.items() if spectra.get("lora")}
+    for m, modules in enumerate(models.values()):
+        for module, values in modules.items():
+            kind = module.rsplit(".", 1)[-1]
+            kinds[kind] = kinds.get(kind, 0) + 1
             s = np.asarray(values["singular_values"])
-            ax.plot(np.arange(1, len(s) + 1), s / s[0], lw=0.8, label=f"{name}: {module}")
+            colour = colours[list(kinds).index(kind) % 10]
+            ax.plot(np.arange(1, len(s) + 1), s / s[0], styles[m % 3], lw=0.7, color=colour, alpha=0.8)
+    handles = [
+        plt.Line2D([], [], color=colours[i % 10], label=f"{k} ({n})")
+        for i, (k, n) in enumerate(kinds.items())
+    ]
+    if len(models) > 1:
+        handles += [
+            plt.Line2D([], [], ls=styles[m % 3], color="black", label=n) for m, n in enumerate(models)
+        ]
     ax.set(
-        xlabel="index", ylabel="σ_i / σ_1", title="LoRA updates ΔW = (α/r)·B·A: singular values", yscale="log"
+        xlabel="index",
+        ylabel="σ_i / σ_1",
+        title="LoRA updates ΔW = (α/r)·B·A: singular values of every module",
+        yscale="log",
     )
-    ax.legend(fontsize=5, ncol=2)
+    ax.legend(
+        handles=handles,
+        fontsize=6,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        title="projection (modules)",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -111,7 +155,7 @@ def _favor(report: Any, path: Path) -> Path:
     ax.set_xlabel("random features per head, m")
     ax.set_ylabel("relative error of the attention output")
     ax.set_title("FAVOR+ on the model's own queries and keys")
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves, never over them
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
