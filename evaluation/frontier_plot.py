@@ -55,6 +55,9 @@ def write_frontier_plot(frontier: Any, path: Path) -> Path:
             marker=marker,
             s=60,
             color=colour,
+            alpha=0.75,  # variants of one size (RTN and GPTQ at 4 bits) show through one another
+            edgecolors="black",
+            linewidths=0.4,
             label=method,
             zorder=2,
         )
@@ -70,11 +73,12 @@ def write_frontier_plot(frontier: Any, path: Path) -> Path:
             zorder=4,
             label=f"registered: {frontier.chosen}",
         )
-    ax.set_xlabel("weights served (KiB; hollow: lmforge's own storage)")
+    ax.set_xscale("log")  # the quantized variants sit within a factor of two of one another, far from fp32
+    ax.set_xlabel("weights served (KiB, log scale; hollow: lmforge's own storage)")
     ax.set_ylabel("held-out bits per byte (lower is better)")
     ax.set_title("Compression frontier: size vs held-out quality")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the points, never over them
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
