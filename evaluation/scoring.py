@@ -68,16 +68,17 @@ def rolling_windows(ids: list[int], start_id: int, window: int) -> list[tuple[li
 def generate_greedy(
     model: Transformer,
     prompts: Sequence[list[int]],
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     eos_id: int | None,
     batch_size: int = 16,
 ) -> list[tuple[list[int], bool]]:
-    """`generate_text`'s greedy continuation of each prompt (cut from the left to leave room for `max_new_tokens`)
-    and whether it was cut, `batch_size` prompts at a time (`greedy_each`), in the prompts' order."""
-    room = _room(model, max_new_tokens)
-    cut = [ids[-room:] for ids in prompts]
-    new = greedy_each(model, cut, [max_new_tokens] * len(cut), eos_id, batch_size)
-    return [(ids, len(prompt) > room) for ids, prompt in zip(new, prompts, strict=True)]
+    """`generate_text`'s greedy continuation of each prompt (cut from the left to leave room for its budget: one
+    `max_new_tokens` for all, or one each) and whether it was cut, `batch_size` prompts at a time (`greedy_each`),
+    in the prompts' order."""
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    cut = [ids[-_room(model, budget) :] for ids, budget in zip(prompts, budgets, strict=True)]
+    new = greedy_each(model, cut, budgets, eos_id, batch_size)
+    return [(ids, len(p) > len(c)) for ids, p, c in zip(new, prompts, cut, strict=True)]
 
 
 def _room(model: Transformer, max_new_tokens: int) -> int:

@@ -180,6 +180,18 @@ def sft_heldout_task(heldout_jsonl: str | Path, n_items: int) -> Task:
     return Task("sft-heldout-em", "gen", items)
 
 
+def answer_budget(
+    em: EvalModel, item: Item, request: tuple[list[int], list[int]], max_new_tokens: int
+) -> int:
+    """Tokens a greedy answer may take: `max_new_tokens`; for a chat item, its reference's length plus
+    `max_new_tokens` (a model that ends its turn has room to, however long the answer), within what the context
+    leaves beside the prompt (never less than 1)."""
+    if item.turns is None:
+        return max_new_tokens
+    context, continuation = request
+    return max(1, min(len(continuation) + max_new_tokens, em.max_len - len(context)))
+
+
 def _split_encode(em: EvalModel, prompt: str, continuation: str) -> tuple[list[int], list[int]]:
     """Context and continuation ids such that together they are the tokenization of the whole string."""
     whole = em.tokenizer.encode(prompt + continuation).ids
@@ -218,22 +230,24 @@ def run_task(em: EvalModel, task: Task, batch_size: int, max_new_tokens: int) ->
     # a special token (e.g. end of turn) ends generation; the items that share one are generated in batches
     stops = [em.tokenizer.token_to_id(item.stop[0]) for item in items]
     stops = [em.tokenizer_ref.eos_id if stop is None else stop for stop in stops]
+    budgets = [
+        answer_budget(em, item, request, max_new_tokens)
+        for item, request in zip(items, requests, strict=True)
+    ]
     generated: list[tuple[list[int], bool]] = [([], False)] * len(task.items)
     for stop in dict.fromkeys(stops):
         rows = [i for i, s in enumerate(stops) if s == stop]
-        prompts = [requests[i][0] for i in rows]
-        for i, out in zip(
-            rows, generate_greedy(em.model, prompts, max_new_tokens, stop, batch_size), strict=True
-        ):
+        prompts, limits = [requests[i][0] for i in rows], [budgets[i] for i in rows]
+        for i, out in zip(rows, generate_greedy(em.model, prompts, limits, stop, batch_size), strict=True):
             generated[i] = out
     stopped = 0
-    for item, (ids, cut) in zip(items, generated, strict=True):
+    for item, (ids, cut), budget in zip(items, generated, budgets, strict=True):
         text = em.tokenizer.decode(ids)
         for stop in item.stop:
             text = text.split(stop)[0]
         hits += text.strip() == item.target.strip()
         truncated += cut
-        stopped += len(ids) < max_new_tokens  # the stop token came within the budget (it is cut off the ids)
+        stopped += len(ids) < budget  # the stop token came within the budget (it is cut off the ids)
     scored = score_continuations(em.model, requests, batch_size)
     response_loss = -sum(s.logprob for s in scored) / sum(s.n_tokens for s in scored)
     n = len(task.items)
