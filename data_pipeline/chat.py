@@ -53,6 +53,7 @@ class ChatFormat:
         end-of-turn token after it."""
         if self.template is None:
             return own_layout(messages, self.end_of_turn)
+        self._check_contents(messages)
         text = self._apply(messages, False)
         spans = []
         for i, turn in enumerate(messages):
@@ -88,6 +89,18 @@ class ChatFormat:
             return own_layout(messages, self.end_of_turn)[0] + "<|assistant|>\n"
         return self._apply(messages, True)
 
+    def _check_contents(self, messages: Messages) -> None:
+        """Refuse a turn whose text holds one of the tokenizer's special tokens (`<|im_end|>` in an answer would end
+        the turn there, and could forge the next one): one line naming it."""
+        specials = special_tokens(self.tokenizer_dir)
+        for turn in messages:
+            found = next((t for t in specials if t in turn["content"]), None)
+            if found is not None:
+                raise DataError(
+                    f"an example's {turn['role']} turn contains the tokenizer's special token {found!r} "
+                    f"({turn['content'][:60]!r}...); remove it from the text"
+                )
+
     def _apply(self, messages: Messages, generation_prompt: bool) -> str:
         from jinja2 import TemplateError
 
@@ -121,6 +134,13 @@ def renderer(tokenizer_dir: str) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+
+
+@functools.lru_cache(maxsize=8)
+def special_tokens(tokenizer_dir: str) -> tuple[str, ...]:
+    """The tokenizer's special tokens (added tokens marked special)."""
+    decoder = renderer(tokenizer_dir).backend_tokenizer.get_added_tokens_decoder()
+    return tuple(t.content for t in decoder.values() if t.special)
 
 
 def saved_template(directory: Path) -> str | None:
