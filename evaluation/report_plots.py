@@ -33,7 +33,8 @@ def write_report_plots(report: Any, out: Path) -> list[Path]:
 
 def _metrics(report: Any, path: Path) -> Path | None:
     """One panel per headline metric: each model's change from the first model (the base, usually the pretrained
-    one) in percent, its value written on the bar, and which direction is better (bars from 0 hid 1.81 vs 1.84)."""
+    one) in percent (the values themselves where the first is 0), its value written on the bar, and which direction
+    is better (bars from 0 hid 1.81 vs 1.84)."""
     from evaluation.config import LOWER_IS_BETTER
 
     # a metric every model scores 0 on (exact match of a tiny model) draws an empty panel: it is in the table
@@ -44,9 +45,14 @@ def _metrics(report: Any, path: Path) -> Path | None:
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.4 * len(metrics), 3.6), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
         values = [report.metrics[metric].get(n) for n in names]
-        base = next((v for v in values if v), None)
-        change = [100.0 * (v - base) / abs(base) if v is not None and base else 0.0 for v in values]
-        bars = ax.bar(names, change, color=plt.cm.tab10(np.arange(len(names))))
+        base = values[0]
+        if base:  # a percentage of the first model's value
+            heights = [100.0 * (v - base) / abs(base) if v is not None else 0.0 for v in values]
+            ax.set_ylabel(f"change vs {names[0]} (%)", fontsize=7)
+        else:  # nothing to be a percentage of (the pretrained model's stop rate is 0): the values themselves
+            heights = [v or 0.0 for v in values]
+            ax.set_ylabel("value", fontsize=7)
+        bars = ax.bar(names, heights, color=plt.cm.tab10(np.arange(len(names))))
         for bar, value in zip(bars, values, strict=True):
             label = "n/a" if value is None else f"{value:.4g}"
             ax.annotate(
@@ -59,7 +65,6 @@ def _metrics(report: Any, path: Path) -> Path | None:
         ax.axhline(0, color="black", lw=0.6)
         better = "lower" if metric.rsplit("/", 1)[-1] in LOWER_IS_BETTER else "higher"
         ax.set_title(f"{metric}\n({better} is better)", fontsize=8)
-        ax.set_ylabel(f"change vs {names[0]} (%)", fontsize=7)
         ax.tick_params(axis="x", labelsize=7, rotation=20)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
