@@ -33,6 +33,7 @@ def write_frontier_plot(frontier: Any, path: Path) -> Path:
     ax.axhline(ref_bpb, color="black", lw=0.8, ls="--")
     ax.axvline(ref_kb, color="black", lw=0.8, ls=":")
     colors = plt.cm.tab10.colors
+    labelled: list[tuple[float, float]] = []  # (size, bits per byte) of the labels so far
     for i, method in enumerate(dict.fromkeys(row["method"] for row in variants)):
         rows = [row for row in variants if row["method"] == method]
         colour, marker = colors[i % len(colors)], MARKERS.get(method, "o")
@@ -42,11 +43,15 @@ def write_frontier_plot(frontier: Any, path: Path) -> Path:
             ax.scatter(
                 [kb[0]], [row["metrics"][BPB]], marker=marker, s=40, facecolors="none", edgecolors=colour
             )
+            bpb = row["metrics"][BPB]
+            near = [1 for x, y in labelled if abs(x - kb[1]) <= 0.02 * kb[1] and abs(y - bpb) <= 0.005 * bpb]
+            stacked = len(near)  # a point labelled there already (same size and quality): this label one line up
+            labelled.append((kb[1], bpb))
             ax.annotate(
                 row["name"],
                 (kb[1], row["metrics"][BPB]),
                 fontsize=6,
-                xytext=(3, 3),
+                xytext=(3, 3 + 8 * stacked),
                 textcoords="offset points",
             )
         ax.scatter(
@@ -74,6 +79,7 @@ def write_frontier_plot(frontier: Any, path: Path) -> Path:
             label=f"registered: {frontier.chosen}",
         )
     ax.set_xscale("log")  # the quantized variants sit within a factor of two of one another, far from fp32
+    ax.margins(x=0.15, y=0.08)  # room for the labels of the points at the edges
     ax.set_xlabel("weights served (KiB, log scale; hollow: lmforge's own storage)")
     ax.set_ylabel("held-out bits per byte (lower is better)")
     ax.set_title("Compression frontier: size vs held-out quality")
