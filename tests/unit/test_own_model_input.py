@@ -149,3 +149,23 @@ def test_a_bf16_checkpoint_is_given_back_in_bf16(qwen2: Path, tmp_path: Path) ->
         assert {theirs.get_slice(k).get_dtype() for k in names} == {"BF16"}
         assert all(torch.equal(theirs.get_tensor(k), ours.get_tensor(k)) for k in names)
     assert imported.export_valid and imported.max_abs_logit_diff <= 1e-5
+
+
+def test_the_weights_are_hashed_once_per_change(qwen2: Path, tmp_path: Path, monkeypatch) -> None:
+    """Every command that takes a directory asks for its weights' digest; the bytes are read once per change (in
+    this process, and across processes through the output root's record), again when a file changes."""
+    import hashlib
+
+    from training.stages import imported
+
+    model = variant(qwen2, tmp_path)
+    hashed, real = [], hashlib.sha256
+    monkeypatch.setattr(imported.hashlib, "sha256", lambda *a: hashed.append(1) or real(*a))
+    first = imported.weights_digest(model, tmp_path / "outputs")
+    imported._digests.clear()  # another process: only the record under the output root is left
+    assert imported.weights_digest(model, tmp_path / "outputs") == first and len(hashed) == 1
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # a changed byte, the same size
+    weights.write_bytes(bytes(data))
+    assert imported.weights_digest(model, tmp_path / "outputs") != first and len(hashed) == 2

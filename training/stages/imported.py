@@ -11,12 +11,15 @@ tokenizer files. `source_model` names the directory and its digests; every run t
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 
 from data_pipeline.sources import DataError
 from data_pipeline.tokenizer import TokenizerRef, describe, file_digest
+from infra.object_store import is_remote
 from infra.steps import Step, run_step
+from infra.storage import atomic_write_json
 from training.model.checkpoint_files import weight_files
 from training.model.export import export_hf
 from training.model.families import UnsupportedModel
@@ -26,6 +29,8 @@ from training.stages.lifecycle import TrainedModel
 log = logging.getLogger(__name__)
 
 IMPORT_VERSION = 1  # bump when the same source would import differently
+DIGESTS = ".weights_digests.json"
+_digests: dict[str, str] = {}  # this process's: stamp of the weight files -> their digest
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -36,15 +41,35 @@ def is_hf_directory(path: str | Path) -> bool:
     return (path / "config.json").is_file() and not any((path / name).exists() for name in lmforge)
 
 
-def weights_digest(source: Path) -> str:
-    """sha256 over the weight files' names and bytes (streamed: the files may be larger than memory)."""
-    digest = hashlib.sha256()
-    for file in weight_files(source):
-        digest.update(file.name.encode())
-        with file.open("rb") as handle:
-            while chunk := handle.read(1 << 24):
-                digest.update(chunk)
-    return digest.hexdigest()
+def file_stamp(file: Path) -> list[str | int]:
+    """What changes when a file's bytes may have: its path, size and times."""
+    stat = file.stat()
+    return [str(file.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def weights_digest(source: Path, root: str | Path | None = None) -> str:
+    """sha256 over the weight files' names and bytes (streamed: the files may be larger than memory), hashed once per
+    (files, sizes, modification times): remembered in this process and, for a local output root, in
+    `<root>/import/.weights_digests.json` (a 16 GB checkpoint takes ~30 s to hash; every command that takes the
+    directory asks for its digest)."""
+    files = weight_files(source)
+    stamp = json.dumps([file_stamp(f) for f in files])
+    if stamp in _digests:
+        return _digests[stamp]
+    cache = Path(root) / "import" / DIGESTS if root is not None and not is_remote(root) else None
+    known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
+    if stamp not in known:
+        digest = hashlib.sha256()
+        for file in files:
+            digest.update(file.name.encode())
+            with file.open("rb") as handle:
+                while chunk := handle.read(1 << 24):
+                    digest.update(chunk)
+        known[stamp] = digest.hexdigest()
+        if cache is not None:
+            atomic_write_json(cache, known)
+    _digests[stamp] = known[stamp]
+    return known[stamp]
 
 
 def check_source(source: Path) -> TokenizerRef:
@@ -71,7 +96,7 @@ def run_import(source: str | Path, root: str | Path, origin: str | None = None) 
     tokenizer = check_source(source)
     config = {
         "config_sha256": file_digest(source / "config.json"),
-        "weights_sha256": weights_digest(source),
+        "weights_sha256": weights_digest(source, root),
         "tokenizer_sha256": tokenizer.digest,
     }
     step = Step("import", source.name, IMPORT_VERSION, config, TrainedModel)
