@@ -53,9 +53,9 @@ def test_lora_improves_heldout_loss_and_logs(lora_run: TrainedModel) -> None:
     assert summary["sft/heldout_loss_after"] < summary["sft/heldout_loss_before"] - 0.05
     assert 0.0 < summary["sft/trainable_fraction"] < 0.2
     lora = build_model(TrainedModel.load(lora_run.base_run_dir), load_recipe("smoke").sft_spec())
-    assert summary["sft/trainable_params"] == sum(
-        p.numel() for n, p in lora.named_parameters() if "lora_" in n
-    )
+    adapters = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n)
+    chat_rows = sum(p.numel() for n, p in lora.named_parameters() if "trainable_tokens_delta" in n)
+    assert chat_rows > 0 and summary["sft/trainable_params"] == adapters + chat_rows
 
 
 def test_replayed_pretraining_windows_keep_the_pretraining_text(
@@ -117,14 +117,16 @@ def test_base_weights_stay_frozen(base: tuple[TrainedModel, Path], lora_run: Tra
     ref, _ = base
     before = fp32_state_dict(Path(ref.checkpoint), False)
     after = fp32_state_dict(Path(lora_run.checkpoint), False)
+    trained = ("lora_", "trainable_tokens_delta")  # the adapters and the chat tokens' rows
     frozen = {
-        k.replace("base_model.model.", "").replace(".base_layer", ""): v
+        k.replace("base_model.model.", "").replace(".base_layer", "").replace(".token_adapter", ""): v
         for k, v in after.items()
-        if "lora_" not in k
+        if not any(t in k for t in trained)
     }
     assert frozen.keys() == before.keys()
     assert all(torch.equal(frozen[k], before[k]) for k in before)
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in after.items())
+    assert any("trainable_tokens_delta" in k for k in after)
 
 
 def test_full_sft_keeps_the_context_its_base_was_trained_on(base: tuple[TrainedModel, Path]) -> None:
