@@ -177,10 +177,15 @@ def test_reward_model_learns_the_heldout_preferences(dpo_run) -> None:
     model = run_reward_model(recipe.section_spec("reward_model", RewardModelSpec), tuned, pairs)
     assert model.kind == "reward" and model.export_valid and model.base_run_dir == tuned.path
     summary = model.summary
-    # the pairs are easy (an untrained head on the fine-tuned decoder already ranks 8 of the 9 held-out pairs
-    # right, with a margin of 0.08 and the Bradley-Terry loss ln 2); trained, the margin is ~3
-    assert summary["reward/heldout_accuracy"] >= 0.75 and summary["reward/heldout_margin"] > 1.0, summary
-    assert summary["reward/heldout_loss"] < 0.3 and summary["reward/heldout_reward_loss_correlation"] < 0
+    # the pairs are easy (an untrained head on the fine-tuned decoder already ranks most held-out pairs right, with
+    # a margin of 0.08 and the Bradley-Terry loss ln 2); trained, read at the end of the rendered conversation (the
+    # newline after the end-of-turn token), accuracy 0.96, margin 0.60, loss 0.50 (read at the token before the
+    # end-of-turn until 2026-12-07: 0.89, ~3, 0.08); the reward/loss correlation is noise at this scale (+0.09 here,
+    # -0.94 in the demo)
+    assert summary["reward/heldout_accuracy"] >= 0.85 and summary["reward/heldout_margin"] > 0.4, summary
+    assert summary["reward/heldout_loss"] < 0.6 and math.isfinite(
+        summary["reward/heldout_reward_loss_correlation"]
+    )
     records = [json.loads(line) for line in (Path(model.path) / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "train/loss" in r]
     assert len(trained) == 30 and all("rewards/accuracies" in r and "rewards/margins" in r for r in trained)
@@ -189,7 +194,8 @@ def test_reward_model_learns_the_heldout_preferences(dpo_run) -> None:
     ).eval()
     assert classifier.config.pad_token_id == pairs.pad_id
     n = min(recipe.reward_model.eval_pairs, pairs.counts["heldout"])
-    batch = PreferenceLoader(pairs, "heldout", batch_size=1, shuffle=False).batch_of(np.arange(n))
+    # whole sides: what a client sends (the rendered conversation to its end), where the run read them
+    batch = PreferenceLoader(pairs, "heldout", batch_size=1, shuffle=False, whole=True).batch_of(np.arange(n))
     with torch.no_grad():
         chosen, rejected = classifier(input_ids=batch.inputs).logits.squeeze(-1).chunk(2)
     assert float((chosen > rejected).float().mean()) == summary["reward/heldout_accuracy"]
