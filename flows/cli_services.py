@@ -163,6 +163,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         LOOPBACK_RAY,
         ServiceError,
         check_bind,
+        check_ports,
         is_loopback,
         is_running,
         load_state,
@@ -181,6 +182,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
     for service in ("prefect", "mlflow", *(() if args.no_ray else ("ray",))):
         check_bind(service, args.host)  # refuse before starting anything
+    ports = {"--prefect-port": args.prefect_port, "--mlflow-port": args.mlflow_port}
+    if not args.no_ray:
+        ports |= {"--ray-port": args.ray_port, "--ray-dashboard-port": args.ray_dashboard_port}
+    check_ports(ports)
     if not args.no_ray:
         ray_ports(args.ray_port, args.ray_dashboard_port)
     outputs = Path(args.outputs).resolve()

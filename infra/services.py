@@ -302,6 +302,21 @@ LOOPBACK_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 RAY_WORKER_PORTS = range(10002, 20000)  # `ray start`'s default --min-worker-port..--max-worker-port
 
 
+def check_ports(ports: dict[str, int]) -> None:
+    """Refuse, before anything starts, a port no service can listen on (outside 1-65535) or one given to two of them
+    (`--ray-port 70000` used to print an address nothing listened on)."""
+    for flag, port in ports.items():
+        if not 1 <= port <= 65535:
+            raise ServiceError(f"{flag} {port} is not a port (1-65535); pick one in that range")
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        if port in seen:
+            raise ServiceError(
+                f"{flag} and {seen[port]} are both {port}; give each service a port of its own"
+            )
+        seen[port] = flag
+
+
 def ray_ports(port: int | None, dashboard_port: int | None) -> tuple[int, int]:
     """The head and dashboard ports (defaults for None); one inside the range Ray hands its workers is refused
     (the head starts, then fails to come up after a long wait)."""

@@ -207,6 +207,23 @@ def test_a_ray_port_in_rays_worker_range_is_refused_before_anything_starts(tmp_p
     assert not (tmp_path / "state" / "services.json").exists()  # nothing was started
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ray-port", "70000"], "--ray-port 70000 is not a port (1-65535)"),
+        (["--mlflow-port", "-1"], "--mlflow-port -1 is not a port (1-65535)"),
+        (["--ray-dashboard-port", "6379"], "--ray-dashboard-port and --ray-port are both 6379"),
+    ],
+)
+def test_impossible_ports_are_refused_before_anything_starts(tmp_path, capsys, flags, message):
+    from flows.cli import main
+
+    assert main(["up", "--state-dir", str(tmp_path / "state"), "--outputs", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "state" / "services.json").exists()  # nothing was started
+
+
 def test_artifact_tables_put_a_metric_per_model_in_columns_at_four_digits() -> None:
     from flows.stage_report import table
 
