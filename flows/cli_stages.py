@@ -15,7 +15,8 @@ def cmd_stage(name: str, args: argparse.Namespace) -> int:
     from flows.cli_progress import bar_runner
 
     stage = STAGES[name]
-    workers = [f"parallel.world_size={args.workers}"] if args.workers else []
+    # `--workers 0` is refused by the recipe's validation, not ignored
+    workers = [f"parallel.world_size={args.workers}"] if args.workers is not None else []
     recipe = load_recipe(args.recipe, [*args.set, *workers])  # validated with the worker count it runs with
     given = stage.given_from(args, recipe.output_dir)
     with bar_runner() as run:

@@ -313,3 +313,12 @@ def test_up_starts_services_side_by_side_and_a_failure_stops_every_one_that_star
     assert capsys.readouterr().err.strip() == "lmforge: error: ray: the process exited with 1; see ray.log"
     assert len(started) == 2 and all(proc.wait(timeout=15) is not None for proc in started)  # both stopped
     assert services.load_state(state) == []
+
+
+def test_zero_workers_is_refused_not_ignored(capsys) -> None:
+    """`--workers 0` named the recipe's own worker count before (0 is falsy); now it is the bad value it is."""
+    from flows.cli import main
+
+    assert main(["tokenize", "smoke", "--workers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.world_size" in err and "(got 0)" in err and len(err.strip().splitlines()) == 1
