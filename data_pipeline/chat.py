@@ -160,7 +160,7 @@ def chat_token_ids(tok: TokenizerRef) -> list[int]:
     """The special tokens a conversation in this tokenizer's chat format is written with (role markers,
     end-of-turn; a template's begin-of-text too): the rows a tuned model must learn to read and write."""
     fmt, tokenizer = chat_format(tok), tok.load()
-    specials = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    specials = set(special_tokens(tok.path))
     try:
         text = fmt.render([{"role": "system", "content": "Be brief."}, *PROBE])[0]
     except DataError:  # a template without a system role
@@ -182,8 +182,8 @@ def chat_format(tok: TokenizerRef) -> ChatFormat:
     fmt = ChatFormat(str(directory), template, "")
     before, through = fmt._apply(PROBE[:1], True), fmt._apply(PROBE, False)
     answer_end = through.find(PROBE[1]["content"], len(before)) + len(PROBE[1]["content"])
-    specials = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
-    closing = [(through.find(s, answer_end), s) for s in specials if through.find(s, answer_end) >= 0]
+    found = [(through.find(special, answer_end), special) for special in special_tokens(str(directory))]
+    closing = [(at, special) for at, special in found if at >= 0]
     if not through.startswith(before) or not closing:
         raise DataError(
             f"{directory}: its chat template does not close an answer with a special token; give the model a "

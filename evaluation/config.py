@@ -45,9 +45,8 @@ class Gate(BaseModel):
         return ours <= theirs + self.tolerance * abs(base)
 
 
-STOPS = Gate(
-    metric="sft-heldout-em/stop_rate", at_least=0.9
-)  # a tuned model ends its turn (greedy, held out)
+# a tuned model ends its turn (greedy, on held-out prompts)
+STOPS = Gate(metric="sft-heldout-em/stop_rate", at_least=0.9)
 DEFAULT_GATES = (
     Gate(metric="sft-heldout-em/response_loss", improve=True),  # fine-tuning did what it was for
     STOPS,

@@ -44,10 +44,8 @@ def write_frontier_plot(frontier: Any, path: Path) -> Path:
                 [kb[0]], [row["metrics"][BPB]], marker=marker, s=40, facecolors="none", edgecolors=colour
             )
             bpb = row["metrics"][BPB]
-            near = [1 for x, y in labelled if abs(x - kb[1]) <= 0.02 * kb[1] and abs(y - bpb) <= 0.005 * bpb]
-            stacked = len(
-                near
-            )  # a point labelled there already (same size and quality): this label one line up
+            # a point labelled there already (same size and quality): this label one line up
+            stacked = sum(abs(x - kb[1]) <= 0.02 * kb[1] and abs(y - bpb) <= 0.005 * bpb for x, y in labelled)
             labelled.append((kb[1], bpb))
             ax.annotate(
                 row["name"],

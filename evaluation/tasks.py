@@ -171,10 +171,9 @@ def stdlib_import_task(n_items: int, seed: int = 0, n_choices: int = 4) -> Task:
 
 def sft_heldout_task(heldout_jsonl: str | Path, n_items: int) -> Task:
     """The held-out SFT conversations: the chat prompt, the reference answer as the exact-match target."""
-    items = []
+    items, own = [], ChatFormat("", None, END_OF_TURN)
     for line in Path(heldout_jsonl).read_text().splitlines()[:n_items]:
         messages = json.loads(line)["messages"]
-        own = ChatFormat("", None, END_OF_TURN)
         prompt, turns = own.prompt(messages[:-1]), messages[:-1]
         items.append(Item(prompt, target=messages[-1]["content"], stop=(END_OF_TURN,), turns=turns))
     return Task("sft-heldout-em", "gen", items)

@@ -248,10 +248,8 @@ def save_packed(model: Transformer, path: Path) -> None:
             "block": list(w.block_size),
             "zero": str(zero.dtype),
         }
-    for (
-        key,
-        value,
-    ) in model.state_dict().items():  # biases of quantized layers (Qwen2's q/k/v) stay as they are
+    # biases of quantized layers (Qwen2's q/k/v) stay as they are
+    for key, value in model.state_dict().items():
         quantized = key.endswith(".weight") and key.removesuffix(".weight") in layout
         if not quantized and not (key == "lm_head.weight" and model.cfg.tie_embeddings):
             state[key] = value.contiguous()
