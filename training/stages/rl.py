@@ -83,12 +83,18 @@ def rollout(
     all prompts' groups in one left-padded batch (`left_padded`), one prompt's group at a time for models without
     softmax attention (no padding there)."""
     device = next(policy.parameters()).device
-    completions = [(ids, p) for ids, p in zip(batch.ids, batch.prompts, strict=True) for _ in range(group)]
+    # each prompt's text as the policy sees it, decoded once for its group (what `module:function` rewards read)
+    texts = [tokenizer.decode(list(ids), skip_special_tokens=False) for ids in batch.ids]
+    completions = [
+        (ids, p, text)
+        for ids, p, text in zip(batch.ids, batch.prompts, texts, strict=True)
+        for _ in range(group)
+    ]
     per_call = len(completions) if policy.cfg.attention == "softmax" else group
     samples, clipped = [], []
     for start in range(0, len(completions), per_call):
         chunk = completions[start : start + per_call]
-        prompts, padding = left_padded([ids for ids, _ in chunk], device)
+        prompts, padding = left_padded([ids for ids, _, _ in chunk], device)
         tokens = generate(
             policy,
             prompts,
@@ -99,11 +105,12 @@ def rollout(
             generator=generator,
             padding=padding,
         )
-        for (ids, prompt), row in zip(chunk, tokens[:, prompts.shape[1] :].tolist(), strict=True):
+        for (ids, prompt, prompt_text), row in zip(
+            chunk, tokens[:, prompts.shape[1] :].tolist(), strict=True
+        ):
             ended = end_of_turn in row
             completion = row[: row.index(end_of_turn) + 1] if ended else row
             text = tokenizer.decode(completion, skip_special_tokens=True)
-            prompt_text = tokenizer.decode(list(ids), skip_special_tokens=False)
             samples.append(Sample(prompt, list(ids), completion, text, prompt_text))
             clipped.append(float(not ended))
     rows = [
